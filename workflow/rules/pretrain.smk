@@ -1,0 +1,25 @@
+# The resume state lives in results/state/<run hash>, outside the declared outputs: Snakemake
+# deletes declared outputs before a job runs and after it fails, so a killed run rerun with
+# `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
+rule pretrain:
+    input:
+        tokenizer="results/tokenizer/tokenizer.json",
+        train="results/tokens/train.npy",
+        valid="results/tokens/valid.npy",
+    output:
+        directory("results/checkpoints"),
+    params:
+        cfg=section_json("corpus", "tokenizer", "model", "train"),
+        state_dir=f"results/state/{RUN}",
+    log:
+        "results/logs/pretrain.log",
+    benchmark:
+        "results/benchmarks/pretrain.tsv"
+    threads: config["train"]["world_size"] * config["train"]["threads_per_rank"]
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    shell:
+        "{LAUNCHER} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
+        " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
+        " --checkpoint-dir {output} --tensorboard-dir results/tensorboard 2> {log}"
