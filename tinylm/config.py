@@ -277,9 +277,11 @@ def validate(cfg: Config) -> None:
     if source.source == "files" and not source.train_files:
         raise ConfigError("corpus.train_files: must list at least one file when corpus.source is 'files'")
     if source.source == "url":
-        for key in ("train_url", "train_sha256", "valid_url", "valid_sha256"):
+        for key in ("train_url", "train_sha256"):
             if not getattr(source, key):
                 raise ConfigError(f"corpus.{key}: required when corpus.source is 'url'")
+        if bool(source.valid_url) != bool(source.valid_sha256):
+            raise ConfigError("corpus.valid_sha256: valid_url and valid_sha256 go together")
 
 
 def load_config(path: str | Path) -> Config:
@@ -348,7 +350,7 @@ def json_schema() -> dict:
             "properties": {f.name: _schema_for(hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)},
         }
     return {
-        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
         "description": "tinylm config (generated from tinylm/config.py by `python -m tinylm schema`)",
         "type": "object",
         "additionalProperties": False,

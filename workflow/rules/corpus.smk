@@ -4,6 +4,8 @@ rule corpus:
         valid="results/corpus/valid.txt",
     params:
         cfg=section_json("corpus"),
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/corpus.log",
     benchmark:

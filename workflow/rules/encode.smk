@@ -8,6 +8,8 @@ rule encode:
         valid="results/tokens/valid.npy",
     params:
         cfg=section_json("tokenizer", "encode"),
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/encode.log",
     benchmark:

@@ -8,6 +8,8 @@ rule evaluate:
         plot=report("results/eval.png", caption="../report/plot.rst", category="Evaluation"),
     params:
         cfg=section_json("evaluate"),
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/evaluate.log",
     benchmark:

@@ -6,6 +6,8 @@ rule generate:
         report("results/samples.txt", caption="../report/samples.rst", category="Samples"),
     params:
         cfg=section_json("generate"),
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/generate.log",
     benchmark:

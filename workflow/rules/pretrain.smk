@@ -11,6 +11,9 @@ rule pretrain:
     params:
         cfg=section_json("corpus", "tokenizer", "model", "train"),
         state_dir=f"results/state/{RUN}",
+        launcher=LAUNCHER,
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/pretrain.log",
     benchmark:
@@ -20,6 +23,6 @@ rule pretrain:
         mem_mb=8000,
         runtime=120,
     shell:
-        "{LAUNCHER} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
+        "{params.launcher} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
         " --checkpoint-dir {output} --tensorboard-dir results/tensorboard 2> {log}"

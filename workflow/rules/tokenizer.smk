@@ -5,6 +5,8 @@ rule train_tokenizer:
         "results/tokenizer/tokenizer.json",
     params:
         cfg=section_json("tokenizer"),
+    conda:
+        "../envs/tinylm.yaml"
     log:
         "results/logs/train_tokenizer.log",
     benchmark:

@@ -1,0 +1,198 @@
+"""The pretrain stage: it learns, a killed run resumes bit-identically, faults end the job cleanly."""
+
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tinylm.state import committed_steps, load_verified
+from tinylm.tokenizer import Tokenizer, encode_corpus, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORDS = ("the king queen lord lady sword crown love night day speak hear come go castle ghost storm "
+         "sea ship island father son daughter brother sister friend enemy war peace").split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """A small generated corpus, its tokenizer and token files."""
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    docs = []
+    for _ in range(400):
+        lines = [f"{rng.choice(WORDS).upper()}:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+                 for _ in range(rng.randint(2, 6))]
+        docs.append("\n\n".join(lines))
+    (folder / "train.txt").write_text("<|endoftext|>".join(docs[:360]))
+    (folder / "valid.txt").write_text("<|endoftext|>".join(docs[360:]))
+    tok_path = folder / "tokenizer.json"
+    train_tokenizer(folder / "train.txt", tok_path, 300, ["<|endoftext|>"], num_workers=1)
+    tokenizer = Tokenizer.load(tok_path)
+    for split in ("train", "valid"):
+        encode_corpus(tokenizer, folder / f"{split}.txt", folder / f"{split}.npy", num_workers=1)
+    return {"tokenizer": tok_path, "train": folder / "train.npy", "valid": folder / "valid.npy"}
+
+
+def write_config(path: Path, **train) -> Path:
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["tokenizer"]["vocab_size"] = 300
+    cfg["model"].update(context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    cfg["train"].update(dict(batch_size=8, max_iters=12, warmup_iters=2, lr_max=1e-2, lr_min=1e-3,
+                             log_interval=1, val_interval=6, val_batches=2, checkpoint_interval=4, timeout_s=30.0))
+    cfg["train"].update(train)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def pretrain(data: dict, config: Path, state_dir: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TINYLM_FAULT"}
+    if fault:
+        env["TINYLM_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(data["tokenizer"]),
+         "--train-tokens", str(data["train"]), "--valid-tokens", str(data["valid"]), "--state-dir", str(state_dir),
+         "--checkpoint-dir", str(state_dir.parent / (state_dir.name + "_ckpt")), "--tensorboard-dir",
+         str(state_dir.parent / (state_dir.name + "_tb"))],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )
+
+
+def logged_losses(stderr: str) -> dict[int, str]:
+    """step -> the loss exactly as printed."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ loss (\S+)", stderr)}
+
+
+def final_payload(state_dir: Path) -> dict:
+    step = committed_steps(state_dir)[-1]
+    payload, _ = load_verified(state_dir / f"step_{step:07d}" / "checkpoint.pt")
+    return payload
+
+
+def assert_same_tensors(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("full")
+    config = write_config(folder / "config.yaml")
+    proc = pretrain(data, config, folder / "state")
+    assert proc.returncode == 0, proc.stderr
+    return {"config": config, "state": folder / "state", "stderr": proc.stderr}
+
+
+@pytest.mark.slow
+def test_training_learns_and_publishes_every_checkpoint(uninterrupted):
+    losses = logged_losses(uninterrupted["stderr"])
+    assert sorted(losses) == list(range(1, 13))
+    assert float(losses[12]) < float(losses[1]) - 0.5
+    published = sorted(p.name for p in (uninterrupted["state"].parent / "state_ckpt").glob("*.pt"))
+    assert published == ["step_12.pt", "step_4.pt", "step_8.pt"]
+    assert committed_steps(uninterrupted["state"]) == [8, 12]  # keep_checkpoints = 2
+    payload = final_payload(uninterrupted["state"])
+    assert payload["iteration"] == 12 and len(payload["rng"]) == 2
+    # The consolidated optimizer state covers every parameter and loads into a plain AdamW.
+    from tinylm.model import Transformer
+    from tinylm.optim import AdamW
+
+    model = Transformer(**payload["model_config"])
+    model.load_state_dict(payload["model"])
+    opt = AdamW(model.parameters())
+    opt.load_state_dict(payload["optimizer"])
+    assert len(opt.state) == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["kill", "raise"])
+def test_killed_run_resumes_bit_identically(data, uninterrupted, tmp_path, action):
+    config = uninterrupted["config"]
+    state = tmp_path / "state"
+    crashed = pretrain(data, config, state, fault=f"rank=1,step=9,action={action}")
+    assert crashed.returncode != 0
+    assert "rank 1" in crashed.stderr
+    if action == "kill":
+        assert "SIGKILL" in crashed.stderr
+    assert committed_steps(state) == [4, 8]  # the steps since the last checkpoint are lost, nothing else
+
+    resumed = pretrain(data, config, state)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 8" in resumed.stderr
+    full, again = logged_losses(uninterrupted["stderr"]), logged_losses(resumed.stderr)
+    assert sorted(again) == [9, 10, 11, 12]
+    assert all(again[s] == full[s] for s in again)
+    a, b = final_payload(uninterrupted["state"]), final_payload(state)
+    assert_same_tensors(a["model"], b["model"], "model")
+    assert_same_tensors(a["optimizer"], b["optimizer"], "optimizer")
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_or_shape_is_refused(data, uninterrupted, tmp_path):
+    for key, value, section in [("world_size", 1, "train"), ("d_ff", 96, "model")]:
+        cfg = yaml.safe_load(uninterrupted["config"].read_text())
+        cfg[section][key] = value
+        cfg["train"]["max_iters"] = 20
+        other = tmp_path / f"{key}.yaml"
+        other.write_text(yaml.safe_dump(cfg))
+        proc = pretrain(data, other, uninterrupted["state"])
+        assert proc.returncode == 1
+        expected = "world_size differs" if key == "world_size" else "structural_hash differs"
+        assert expected in proc.stderr, proc.stderr
+    assert committed_steps(uninterrupted["state"]) == [8, 12]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_within_the_timeout(data, tmp_path):
+    config = write_config(tmp_path / "config.yaml", timeout_s=5.0)
+    start = time.monotonic()
+    proc = pretrain(data, config, tmp_path / "state", fault="rank=1,step=2,action=hang")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert "rank" in proc.stderr and "failed" in proc.stderr
+    assert elapsed < 60, elapsed
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_before_the_update(data, tmp_path):
+    config = write_config(tmp_path / "config.yaml")
+    state = tmp_path / "state"
+    proc = pretrain(data, config, state, fault="rank=0,step=6,action=nan")
+    assert proc.returncode == 1
+    assert "step 7: loss nan" in proc.stderr and "not finite" in proc.stderr
+    assert committed_steps(state) == [4]
+    assert torch.isfinite(final_payload(state)["model"]["lm_head.weight"]).all()
+
+
+def test_token_file_of_another_vocabulary_is_refused(data, tmp_path):
+    import numpy as np
+
+    bad = tmp_path / "train.npy"
+    np.save(bad, np.array([1, 2, 3, 299, 300, 5000] * 100, dtype=np.uint16))
+    config = write_config(tmp_path / "config.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(data["tokenizer"]),
+         "--train-tokens", str(bad), "--valid-tokens", str(data["valid"]), "--state-dir", str(tmp_path / "s"),
+         "--checkpoint-dir", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert f"{bad}: token id 5000 is outside the tokenizer's vocabulary of 300" in proc.stderr
+    assert not (tmp_path / "c").exists()

