@@ -193,13 +193,15 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     t0, last_log_time, last_log_step = time.perf_counter(), time.perf_counter(), start
     model.train()
     for it in range(start, t.max_iters):
-        maybe_inject_fault(rank, it)
+        poison = maybe_inject_fault(rank, it)  # test-only switch, see tinylm/parallel/launch.py
         lr = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
         x, y = get_batch(train_tokens, local_batch, context_length, device, generator=batch_generator(t.seed, it, rank))
         loss = cross_entropy(model(x), y)
+        if poison:
+            loss = loss * float("nan")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         global_loss = loss.detach().clone()

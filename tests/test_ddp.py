@@ -1,0 +1,77 @@
+"""DDP against single-process training and against torch's DistributedDataParallel (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import _parallel_helpers as helpers
+import pytest
+import torch
+from torch import nn
+
+from tinylm.parallel import DDP, launch
+from tinylm.parallel.ddp import _split_into_buckets
+
+
+def read_results(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_equals_single_process_on_global_batch(tmp_path, world_size):
+    # 1e-9 MB: one parameter per bucket; 25 MB: everything in one bucket; 2e-3 MB: a few buckets.
+    buckets = [1e-9, 25.0, 2e-3] if world_size == 2 else [1e-9, 25.0]
+    launch(
+        helpers.ddp_matches_single_process, args=(str(tmp_path), buckets), world_size=world_size, timeout_s=60
+    )
+    for result in read_results(tmp_path, world_size):
+        assert result["buckets"] == buckets
+        assert result["worst"] <= 1e-6
+
+
+def test_ddp_equals_torch_ddp(tmp_path):
+    launch(helpers.ddp_matches_torch_ddp, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    for result in read_results(tmp_path, 2):
+        assert result["worst"] <= 1e-6
+
+
+def test_all_reduces_start_during_backward(tmp_path):
+    launch(helpers.ddp_overlaps_backward, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    for result in read_results(tmp_path, 2):
+        events = result["events"]
+        assert events.count("all_reduce") == result["buckets"]  # one per parameter
+        assert events.index("all_reduce") < events.index("backward returned")
+        # All but the bucket of the first layer's parameters can start before the last gradient
+        # hook (the first layer's weight and bias become ready in either order).
+        assert result["early_all_reduces"] >= result["buckets"] - 2
+
+
+def test_no_sync_skips_communication_and_accumulates(tmp_path):
+    launch(helpers.ddp_no_sync_accumulates, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    for result in read_results(tmp_path, 2):
+        assert result["all_reduces"] > 0
+
+
+def test_module_is_the_unwrapped_model_and_world_of_one_is_a_no_op():
+    model = helpers.make_toy(seed=0)
+    ddp = DDP(model)
+    assert ddp.module is model
+    assert ddp.module.state_dict().keys() == model.state_dict().keys()
+    x, y = helpers.global_batch(0, 2)
+    helpers.lm_loss(ddp, x, y).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    ddp.finish_gradient_sync()
+    for name, p in model.named_parameters():
+        if name in grads:
+            assert torch.equal(p.grad, grads[name])
+
+
+def test_buckets_follow_reverse_order_and_size_limit():
+    params = [nn.Parameter(torch.zeros(n)) for n in (256, 256, 512, 64)]  # 1, 1, 2, 0.25 KiB
+    limit_mb = 2048 / 2**20
+    buckets = _split_into_buckets(params[::-1], limit_mb)
+    assert buckets == [[params[3]], [params[2]], [params[1], params[0]]]
+    assert _split_into_buckets(params[::-1], 25.0) == [params[::-1]]
+    mixed = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    assert len(_split_into_buckets(mixed, 25.0)) == 2

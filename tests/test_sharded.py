@@ -1,0 +1,74 @@
+"""ShardedOptimizer against plain AdamW (gloo, CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import _parallel_helpers as helpers
+import pytest
+import torch
+
+from tinylm.parallel import ShardedOptimizer, launch
+
+
+def read_results(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+OPTIMIZERS = [
+    "torch",
+    pytest.param(
+        "tinylm",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("tinylm.optim") is None, reason="no tinylm.optim yet"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name):
+    launch(helpers.sharded_matches_adamw, args=(str(tmp_path), optimizer_name), world_size=2, timeout_s=60)
+    results = read_results(tmp_path, 2)
+    total = results[0]["total_elements"]
+    assert sum(r["owned_elements"] for r in results) == total
+    for r in results:
+        assert abs(r["owned_elements"] - total / 2) <= r["largest"]
+        assert 0 < r["owned_elements"] < total
+
+
+def test_sharding_is_balanced_and_disjoint_on_three_ranks(tmp_path):
+    sizes = [100, 7, 60, 55, 3, 40, 40, 1]
+    launch(helpers.sharded_balances, args=(str(tmp_path), sizes), world_size=3, timeout_s=60)
+    results = read_results(tmp_path, 3)
+    owned = sorted(i for r in results for i in r["owned"])
+    assert owned == list(range(len(sizes)))
+    for r in results:
+        assert abs(r["elements"] - sum(sizes) / 3) <= max(sizes)
+    # largest first to the least-loaded rank (ties to the lower rank):
+    # 100 -> r0, 60 -> r1, 55 -> r2, 40 -> r2, 40 -> r1, 7 -> r2, 3 -> r0, 1 -> r1
+    assert [r["owned"] for r in results] == [[0, 4], [2, 6, 7], [1, 3, 5]]
+
+
+def test_world_of_one_equals_adamw():
+    model, reference = helpers.make_toy(seed=2), helpers.make_toy(seed=2)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = helpers.global_batch(step, 2)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            helpers.lm_loss(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    helpers.assert_params_close(model, reference, 0.0, "world of one")
+    assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+
+
+def test_load_state_dict_refuses_other_structure():
+    model = helpers.make_toy(seed=2)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    with pytest.raises(ValueError, match="parameters"):
+        opt.load_state_dict(other.state_dict())

@@ -1,0 +1,203 @@
+"""Data parallelism: every rank holds the whole model, and gradients are averaged across ranks.
+
+    ddp = DDP(model, bucket_size_mb=25.0)
+    loss = loss_fn(ddp(x), y); loss.backward()
+    ddp.finish_gradient_sync()      # now every p.grad is the average over ranks
+    optimizer.step()
+
+When it wraps, DDP copies rank 0's parameters and buffers to every rank. It then groups the
+trainable parameters into buckets of about `bucket_size_mb` megabytes (2**20 bytes), in reverse
+registration order, since backward produces the gradients of the last layers first. A hook on each
+parameter copies its gradient into its bucket's flat buffer as soon as autograd has accumulated
+it, and once every gradient of a bucket is in, an asynchronous all-reduce of that buffer starts,
+so communication overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still
+waiting, waits for all of them, divides by the world size and writes the averages back to `.grad`.
+
+Buckets are always started in bucket order, on every rank, so the sequence of collectives is the
+same everywhere even when gradients become ready in different orders on different ranks.
+
+A parameter shared by two modules (tied weights) is one parameter and is reduced once; frozen
+parameters (requires_grad=False) are left alone. A parameter that got no gradient on this rank in
+a step enters the sum as zeros; one that got no gradient on any rank keeps `.grad = None`, as in
+single-process training. For that, each bucket carries one extra element per parameter that
+counts the ranks that produced its gradient.
+
+Inside `with ddp.no_sync():` backward only accumulates local gradients (gradient accumulation
+micro-steps); the next backward outside it reduces the accumulated sum.
+
+`ddp.module` is the wrapped model: save `ddp.module.state_dict()` so checkpoints have no wrapper
+prefix. Without an initialised process group DDP is a world of one and communicates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Bucket:
+    """A flat buffer holding the gradients of some parameters, plus one "has a gradient" flag each.
+
+    Layout: [grad of params[0] | grad of params[1] | ... | flag 0 | flag 1 | ...]
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.offsets = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.grad_numel = numel
+        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.ready = [False] * len(params)
+        self.num_ready = 0
+        self.handle = None
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """The slice of the buffer holding params[i]'s gradient, shaped like the parameter."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    def flag(self, i: int) -> torch.Tensor:
+        return self.buffer[self.grad_numel + i]
+
+    def put(self, i: int) -> None:
+        """Copy params[i].grad into the buffer (zeros and flag 0 when it has none), mark it ready."""
+        grad = self.params[i].grad
+        if grad is None:
+            self.grad_view(i).zero_()
+            self.flag(i).fill_(0)
+        else:
+            self.grad_view(i).copy_(grad)
+            self.flag(i).fill_(1)
+        self.ready[i] = True
+        self.num_ready += 1
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+        self.handle = None
+
+
+class DDP(nn.Module):
+    """Wrap `module` for data-parallel training over the default process group; see module docs."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+        super().__init__()
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        self.module = module
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._sync_enabled = True
+        self._next_bucket = 0  # buckets are started strictly in order; this one is next
+        self._buckets: list[_Bucket] = []
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}  # param -> (bucket index, slot)
+        if self.world_size == 1:
+            return
+
+        self._broadcast_from_rank0()
+        # module.parameters() yields each parameter once even when it is tied to several modules.
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._buckets = [_Bucket(params) for params in _split_into_buckets(trainable[::-1], bucket_size_mb)]
+        for b, bucket in enumerate(self._buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[p] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block backward accumulates gradients locally and starts no communication."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        """Autograd hook: param.grad is final for this backward; put it in its bucket."""
+        if not self._sync_enabled:
+            return
+        b, i = self._where[param]
+        bucket = self._buckets[b]
+        if bucket.ready[i]:
+            raise RuntimeError(
+                "a parameter's gradient became ready twice before finish_gradient_sync(); call "
+                "finish_gradient_sync() after each backward, or use no_sync() for accumulation steps"
+            )
+        bucket.put(i)
+        self._start_ready_buckets()
+
+    def _start_ready_buckets(self) -> None:
+        """Start the all-reduce of every complete bucket, in bucket order, up to the first incomplete one."""
+        while self._next_bucket < len(self._buckets):
+            bucket = self._buckets[self._next_bucket]
+            if bucket.num_ready < len(bucket.params):
+                return
+            bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
+            self._next_bucket += 1
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """Complete the gradient all-reduce of this step; afterwards each `.grad` is the rank average.
+
+        Parameters whose hook did not fire in this backward contribute their current `.grad` (or
+        zeros). Must be called by every rank after every backward outside `no_sync()`; inside
+        `no_sync()` it does nothing.
+        """
+        if not self._sync_enabled or not self._buckets:
+            return
+        for bucket in self._buckets[self._next_bucket :]:
+            for i in range(len(bucket.params)):
+                if not bucket.ready[i]:
+                    bucket.put(i)
+        self._start_ready_buckets()
+
+        for bucket in self._buckets:
+            bucket.handle.wait()
+            ranks_with_grad = bucket.buffer[bucket.grad_numel :].tolist()
+            for i, p in enumerate(bucket.params):
+                if ranks_with_grad[i] == 0:
+                    continue  # no rank produced a gradient: leave .grad as it is (None)
+                average = bucket.grad_view(i).div_(self.world_size)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
+            bucket.reset()
+        self._next_bucket = 0
+
+
+def _split_into_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
+    """Cut `params` (in order) into runs of at most `bucket_size_mb` MiB each, one dtype and device per run.
+
+    A parameter larger than the limit gets a bucket of its own.
+    """
+    limit = bucket_size_mb * 2**20
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        fits = buckets and size + nbytes <= limit
+        same_kind = buckets and (buckets[-1][0].dtype, buckets[-1][0].device) == (p.dtype, p.device)
+        if fits and same_kind:
+            buckets[-1].append(p)
+            size += nbytes
+        else:
+            buckets.append([p])
+            size = nbytes
+    return buckets

@@ -1,0 +1,261 @@
+"""Start one process per rank, give each a process group, and end the whole job if one rank fails.
+
+`launch(fn, args, world_size, ...)` runs `fn(ctx, *args)` once per rank, in one of three ways:
+
+- Under torchrun or srun (RANK, WORLD_SIZE and LOCAL_RANK are set in the environment) this process
+  already is one rank: the process group is created from the environment (`env://`) and `fn` runs
+  in place. A WORLD_SIZE other than the requested `world_size` is refused with a ValueError.
+- With `world_size == 1` and no such environment, `fn` runs in place with no process group at all
+  (`ctx.backend is None`). DDP and ShardedOptimizer also work there: they see a world of one and
+  do no communication.
+- Otherwise `world_size` processes are started with `torch.multiprocessing` (start method
+  "spawn"), so `fn` and `args` must be picklable: `fn` has to be a module-level function.
+
+Each rank gets `torch.set_num_threads(threads_per_rank)`, its device (`cuda:{local_rank % count}`
+with nccl, the CPU with gloo) and a process group whose collectives give up after `timeout_s`.
+Processes started here meet through a file in a fresh temporary folder, so two runs on one machine
+never collide; a MASTER_ADDR/MASTER_PORT passed in or set in the environment is used instead when
+given. A rank that finishes waits at a final barrier for the others before the group is destroyed.
+
+Failure: if any rank raises, exits non-zero or is killed, the remaining ranks are terminated and
+`launch` raises RankFailedError naming the failed rank and carrying its traceback. A rank that
+hangs outside a collective makes the others fail in their next collective after `timeout_s`, which
+ends the job the same way. No process of the job is left running when `launch` returns or raises.
+
+`maybe_inject_fault(rank, step)` is a test-only switch driven by the TINYLM_FAULT variable, used
+to check these promises end to end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FAULT_ENV = "TINYLM_FAULT"
+FAULT_ACTIONS = ("raise", "exit", "kill", "hang", "nan")
+FAULT_EXIT_CODE = 17
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank function needs to know about itself.
+
+    rank: global rank in [0, world_size); local_rank: index of this process on its machine;
+    device: where this rank's tensors live; backend: "gloo", "nccl", or None when no process group
+    was created (a single process run in place).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes files and logs."""
+        return self.rank == 0
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a launched job raised, exited non-zero or was killed; the job was ended.
+
+    `rank` is the failed rank and `detail` says how it failed (its traceback when it raised).
+    """
+
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        self.detail = detail
+        super().__init__(f"rank {rank} failed: {detail.strip()}")
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a rank uses: `cuda:{local_rank % device_count}` with nccl, the CPU otherwise."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when set by torchrun or srun, else None."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    if not all(name in os.environ for name in names):
+        return None
+    rank, local_rank, world_size = (int(os.environ[name]) for name in names)
+    return rank, local_rank, world_size
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    world_size: int = 2,
+    backend: str | None = None,
+    threads_per_rank: int = 1,
+    timeout_s: float = 300.0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> None:
+    """Run `fn(ctx, *args)` once on each of `world_size` ranks; see the module docstring.
+
+    backend: "gloo" or "nccl"; None picks `default_backend()`. timeout_s bounds every collective
+    (and the rendezvous). Raises RankFailedError when a spawned rank fails, ValueError for a bad
+    world size. Under torchrun an exception of `fn` propagates as is, and torchrun ends the job.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank must be at least 1, got {threads_per_rank}")
+    backend = backend or default_backend()
+
+    env = torchrun_env()
+    if env is not None:
+        rank, local_rank, env_world_size = env
+        if env_world_size != world_size:
+            raise ValueError(
+                f"the environment (torchrun/srun) sets WORLD_SIZE={env_world_size} but the config "
+                f"asks for world_size={world_size}; make them agree"
+            )
+        _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank, timeout_s, "env://")
+        return
+
+    if world_size == 1:
+        torch.set_num_threads(threads_per_rank)
+        fn(RankContext(0, 0, 1, device_for(backend, 0), None), *args)
+        return
+
+    rendezvous_dir = None
+    master_addr = master_addr or os.environ.get("MASTER_ADDR")
+    master_port = master_port or (int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None)
+    if master_port is not None:
+        init_method = f"tcp://{master_addr or '127.0.0.1'}:{master_port}"
+    else:
+        rendezvous_dir = tempfile.mkdtemp(prefix="tinylm-rendezvous-")
+        init_method = "file://" + os.path.join(rendezvous_dir, "store")
+    try:
+        _spawn_and_join(
+            _spawned_rank,
+            (fn, args, world_size, backend, threads_per_rank, timeout_s, init_method),
+            world_size,
+        )
+    finally:
+        if rendezvous_dir is not None:
+            shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def _spawned_rank(local_rank: int, fn, args, world_size, backend, threads_per_rank, timeout_s, init_method):
+    """Entry point of a process started by `launch` (on one machine, rank == local_rank)."""
+    _run_rank(fn, args, local_rank, local_rank, world_size, backend, threads_per_rank, timeout_s, init_method)
+
+
+def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank, timeout_s, init_method):
+    """Join the process group, run `fn`, meet the other ranks at a barrier, leave the group.
+
+    When `fn` raises, the exception propagates without the barrier or the teardown: the peers
+    would wait at the barrier until the timeout, while the launcher (or torchrun) ends them at once.
+    """
+    torch.set_num_threads(threads_per_rank)
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    fn(RankContext(rank, local_rank, world_size, device, backend), *args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn_and_join(entry: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """Start `nprocs` processes running `entry(i, *args)` and wait for all of them.
+
+    torch's ProcessContext.join terminates the others as soon as one process fails; the finally
+    block also ends them when this process is interrupted while waiting (Ctrl-C), so no rank is
+    left behind either way.
+    """
+    context = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as error:
+        detail = _strip_spawn_header(error.msg)
+        if "timed out" in detail.lower():
+            detail += "\n(a collective timed out: another rank may have hung or died before reaching it)"
+        raise RankFailedError(error.error_index, detail) from None
+    except mp.ProcessExitedException as error:
+        if error.signal_name is not None:
+            detail = f"killed by signal {error.signal_name} (pid {error.error_pid})"
+        else:
+            detail = f"exited with code {error.exit_code} (pid {error.error_pid})"
+        raise RankFailedError(error.error_index, detail) from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def _strip_spawn_header(message: str) -> str:
+    """Drop torch's '-- Process i terminated with the following error:' line, keep the traceback."""
+    marker = "terminated with the following error:\n"
+    return message.split(marker, 1)[1] if marker in message else message
+
+
+def parse_fault(spec: str) -> tuple[int, int, str]:
+    """Parse 'rank=R,step=S,action=A' into (R, S, A); A is one of raise, exit, kill, hang."""
+    fields = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected key=value items, got {item!r}")
+        fields[key.strip()] = value.strip()
+    if set(fields) != {"rank", "step", "action"}:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected exactly the keys rank, step, action")
+    if fields["action"] not in FAULT_ACTIONS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: action must be one of {', '.join(FAULT_ACTIONS)}")
+    return int(fields["rank"]), int(fields["step"]), fields["action"]
+
+
+def maybe_inject_fault(rank: int, step: int) -> bool:
+    """Test-only: fail on purpose when TINYLM_FAULT names this rank and step; otherwise do nothing.
+
+    TINYLM_FAULT="rank=1,step=3,action=raise" makes rank 1 at step 3 raise a RuntimeError;
+    action=exit ends the process with exit code 17 without cleanup, action=kill sends it SIGKILL,
+    action=hang sleeps forever (the peers then time out in their next collective). action=nan
+    returns True, asking the caller to make this step's loss NaN; every other call returns False.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return False
+    fault_rank, fault_step, action = parse_fault(spec)
+    if (rank, step) != (fault_rank, fault_step):
+        return False
+    if action == "nan":
+        return True
+    if action == "raise":
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} at step {step}")
+    if action == "exit":
+        os._exit(FAULT_EXIT_CODE)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # action == "hang"
+        time.sleep(3600)
