@@ -194,7 +194,9 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     model.train()
     for it in range(start, t.max_iters):
         poison = maybe_inject_fault(rank, it)  # test-only switch, see tinylm/parallel/launch.py
-        lr = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
+        # The schedule is indexed by the number of the update being made (1-based), so the first
+        # update already has a non-zero learning rate and update max_iters reaches lr_min.
+        lr = cos_lr_scheduler(it + 1, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
