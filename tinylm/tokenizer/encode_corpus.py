@@ -95,6 +95,8 @@ def encode_corpus(
                 offset += length
             out.flush()
             del out
+    except OSError as e:
+        raise OSError(e.errno, f"{output_path}: cannot write the token file: {e.strerror or e}") from e
     finally:
         _set_worker_tokenizer(None)
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -119,7 +121,8 @@ def _encode_chunk(task: tuple[str, int, int, str, str]) -> tuple[int, int, int]:
     path, start, end, errors, part_path = task
     text, replaced = read_text_chunk(path, start, end, errors)
     ids = np.array(_worker_tokenizer.encode(text), dtype=np.uint16)
-    ids.tofile(part_path)
+    with open(part_path, "wb") as f:  # (ndarray.tofile hides ENOSPC behind a short-write message)
+        f.write(ids.tobytes())
     return len(ids), end - start, replaced
 
 
