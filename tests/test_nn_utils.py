@@ -1,0 +1,140 @@
+"""softmax, cross_entropy and gradient_clip against PyTorch's own implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tinylm.nn_utils import CrossEntropyLoss, cross_entropy, gradient_clip, softmax
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_softmax_matches_torch(dim, scale):
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 6) * scale
+    out = softmax(x, dim=dim)
+    torch.testing.assert_close(out, torch.softmax(x, dim=dim))
+    assert torch.isfinite(out).all()
+
+
+def test_softmax_handles_masked_positions():
+    x = torch.tensor([[0.0, float("-inf"), 1.0], [2.0, 2.0, float("-inf")]])
+    torch.testing.assert_close(softmax(x), torch.softmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("leading", [(7,), (3, 5), (2, 3, 4)])
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_cross_entropy_matches_torch(leading, scale):
+    torch.manual_seed(0)
+    vocab = 11
+    logits = torch.randn(*leading, vocab) * scale
+    targets = torch.randint(0, vocab, leading)
+    ours = logits.clone().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    loss = cross_entropy(ours, targets)
+    expected = F.cross_entropy(theirs.reshape(-1, vocab), targets.reshape(-1))
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_cross_entropy_huge_logits_stay_finite_and_exact():
+    # Logits of 1e4 overflow a naive exp(); the loss must still be exact.
+    logits = torch.tensor([[1e4, 0.0, -1e4], [1e4, 1e4 - 1.0, 0.0]], requires_grad=True)
+    targets = torch.tensor([1, 1])
+    loss = cross_entropy(logits, targets)
+    expected = F.cross_entropy(logits, targets)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 6),
+    vocab=st.integers(2, 9),
+    scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_cross_entropy_matches_torch_property(n, vocab, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64) * scale
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    torch.testing.assert_close(cross_entropy(logits, targets), F.cross_entropy(logits, targets))
+
+
+def test_cross_entropy_gradient_passes_gradcheck():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 6, (3, 4))
+    assert torch.autograd.gradcheck(cross_entropy, (logits, targets))
+
+
+def test_cross_entropy_of_bfloat16_logits_is_computed_in_float32():
+    torch.manual_seed(0)
+    logits = (torch.randn(8, 50) * 5).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 50, (8,))
+    loss = cross_entropy(logits, targets)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, F.cross_entropy(logits.float(), targets))
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_cross_entropy_module():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    torch.testing.assert_close(CrossEntropyLoss()(logits, targets), cross_entropy(logits, targets))
+
+
+def _two_identical_models(seed: int = 0):
+    torch.manual_seed(seed)
+    a = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(10, 6)
+    for model in (a, b):
+        model(x).pow(2).sum().backward()
+        model[0].bias.grad = None  # a parameter without a gradient is skipped
+    return a, b
+
+
+@pytest.mark.parametrize("max_norm", [1e-2, 0.5, 1e6])
+def test_gradient_clip_matches_torch(max_norm):
+    ours, theirs = _two_identical_models()
+    norm = gradient_clip(ours.parameters(), max_norm)
+    expected_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
+    torch.testing.assert_close(norm, expected_norm)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, q.grad)
+    clipped = torch.stack([p.grad.norm() for p in ours.parameters() if p.grad is not None]).norm()
+    assert clipped <= max_norm * (1 + 1e-5) or max_norm > norm
+
+
+def test_gradient_clip_leaves_small_gradients_alone():
+    ours, _ = _two_identical_models()
+    before = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
+    gradient_clip(ours.parameters(), max_norm=1e6)
+    after = [p.grad for p in ours.parameters() if p.grad is not None]
+    for b, a in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gradient_clip_without_gradients_returns_zero():
+    layer = torch.nn.Linear(3, 3)
+    assert gradient_clip(layer.parameters(), 1.0).item() == 0.0
+
+
+def test_cross_entropy_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="disagree"):
+        cross_entropy(torch.randn(2, 3, 5), torch.zeros(3, 2, dtype=torch.long))

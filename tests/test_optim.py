@@ -1,0 +1,171 @@
+"""AdamW against torch.optim.AdamW, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy
+from tinylm.optim import AdamW, cos_lr_scheduler
+
+CONFIG = dict(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
+
+
+def _train(model, optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["context_length"] + 1), generator=g)
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def _param_groups(model, lr: float):
+    """Two groups with their own settings: weight matrices decayed, gains not, at another lr."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    gains = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": matrices, "weight_decay": 0.1},
+        {"params": gains, "weight_decay": 0.0, "lr": lr / 3},
+    ]
+
+
+def _assert_params_close(a, b, rtol=1e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        scale = q.detach().abs().max().clamp_min(1e-12)
+        err = (p.detach() - q.detach()).abs().max() / scale
+        assert err <= rtol, f"{name}: relative difference {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1},
+    ],
+)
+def test_adamw_matches_torch_adamw_for_100_steps(kwargs):
+    torch.manual_seed(0)
+    ours_model = Transformer(**CONFIG)
+    torch_model = copy.deepcopy(ours_model)
+    ours = AdamW(ours_model.parameters(), **kwargs)
+    theirs = torch.optim.AdamW(torch_model.parameters(), **kwargs)
+    _train(ours_model, ours, steps=100, seed=1)
+    _train(torch_model, theirs, steps=100, seed=1)
+    _assert_params_close(ours_model, torch_model)
+    # The parameters did move, so the comparison above means something.
+    assert not torch.allclose(ours_model.lm_head.weight, Transformer(**CONFIG).lm_head.weight)
+
+
+def test_adamw_param_groups_match_torch():
+    torch.manual_seed(0)
+    ours_model = Transformer(**CONFIG)
+    torch_model = copy.deepcopy(ours_model)
+    ours = AdamW(_param_groups(ours_model, 1e-2), lr=1e-2)
+    theirs = torch.optim.AdamW(_param_groups(torch_model, 1e-2), lr=1e-2)
+    _train(ours_model, ours, steps=30, seed=2)
+    _train(torch_model, theirs, steps=30, seed=2)
+    _assert_params_close(ours_model, torch_model)
+
+
+def test_adamw_defaults_match_torch():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    ours = AdamW(p).defaults
+    theirs = torch.optim.AdamW(p).defaults
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert ours[key] == theirs[key], key
+
+
+def test_adamw_state_dict_round_trip_continues_identically():
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    optimizer = AdamW(_param_groups(model, 1e-2), lr=1e-2)
+    _train(model, optimizer, steps=5, seed=3)
+
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_model = Transformer(**CONFIG)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = AdamW(_param_groups(resumed_model, 1e-2), lr=1e-2)
+    resumed.load_state_dict(saved["optimizer"])
+
+    _train(model, optimizer, steps=5, seed=4)
+    _train(resumed_model, resumed, steps=5, seed=4)
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    state = resumed.state[resumed_model.lm_head.weight]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["step"].item() == 10
+
+
+def test_adamw_on_a_subset_of_parameters_skips_the_rest_and_missing_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = copy.deepcopy(model)
+    optimizer = AdamW(model[1].parameters(), lr=0.1)  # as a sharded wrapper would build it
+    model(torch.randn(3, 4)).sum().backward()
+    model[1].bias.grad = None
+    optimizer.step()
+    torch.testing.assert_close(model[0].weight, before[0].weight)
+    torch.testing.assert_close(model[1].bias, before[1].bias)
+    assert not torch.allclose(model[1].weight, before[1].weight)
+    assert model[1].bias not in optimizer.state
+
+
+def test_adamw_rejects_bad_hyperparameters():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for kwargs in ({"lr": -1.0}, {"betas": (1.0, 0.9)}, {"eps": -1.0}, {"weight_decay": -0.1}):
+        with pytest.raises(ValueError):
+            AdamW(p, **kwargs)
+
+
+# ---------------------------------------------------------------- schedule
+
+SCHEDULE = dict(warmup_iters=10, cos_cycle_iters=110, lr_min=1e-4, lr_max=1e-3)
+
+
+def test_schedule_hits_its_endpoints():
+    lr = [cos_lr_scheduler(it, **SCHEDULE) for it in range(200)]
+    assert lr[0] == 0.0
+    assert lr[5] == pytest.approx(0.5e-3)
+    assert lr[10] == pytest.approx(1e-3)
+    assert lr[60] == pytest.approx((1e-3 + 1e-4) / 2)
+    assert lr[110] == pytest.approx(1e-4)
+    assert all(x == 1e-4 for x in lr[111:])
+    assert max(lr) == pytest.approx(1e-3)
+
+
+def test_schedule_shape():
+    lr = [cos_lr_scheduler(it, **SCHEDULE) for it in range(120)]
+    warmup, cosine = lr[:11], lr[10:111]
+    assert all(a < b for a, b in zip(warmup, warmup[1:], strict=False))
+    assert all(a > b for a, b in zip(cosine, cosine[1:], strict=False))
+    # Half-way through the warmup or the cosine, the value is the linear / cosine mid-point.
+    it = 35
+    expected = 1e-4 + 0.5 * (1 + math.cos(math.pi * 25 / 100)) * (1e-3 - 1e-4)
+    assert cos_lr_scheduler(it, **SCHEDULE) == pytest.approx(expected)
+
+
+def test_schedule_matches_torch_cosine_annealing_after_warmup():
+    # torch's CosineAnnealingLR in closed form is the same curve with T_max = cos_cycle - warmup.
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100, eta_min=1e-4)
+    for it in range(10, 111):
+        assert cos_lr_scheduler(it, **SCHEDULE) == pytest.approx(scheduler._get_closed_form_lr()[0])
+        optimizer.step()
+        scheduler.step()
+
+
+def test_schedule_without_warmup_starts_at_lr_max():
+    assert cos_lr_scheduler(0, 0, 100, 0.1, 1.0) == 1.0
+    assert cos_lr_scheduler(5, 5, 5, 0.1, 1.0) == 1.0
+    assert cos_lr_scheduler(6, 5, 5, 0.1, 1.0) == 0.1

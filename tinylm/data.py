@@ -1,0 +1,59 @@
+"""Token arrays on disk and the random training batches drawn from them.
+
+Token files are 1-D uint16 .npy arrays, opened as read-only memory maps, so a corpus larger than
+memory costs only the pages that batches actually touch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+
+def load_tokens(path: str | os.PathLike) -> np.ndarray:
+    """Open a token file as a read-only memory map: a 1-D uint16 array.
+
+    Raises ValueError naming the file if it is not a plain .npy array of that dtype and shape.
+    """
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npy token file ({e})") from e
+    if tokens.dtype != np.uint16:
+        raise ValueError(f"{path}: token file must hold uint16, found {tokens.dtype}")
+    if tokens.ndim != 1:
+        raise ValueError(f"{path}: token file must be 1-D, found shape {tokens.shape}")
+    return tokens
+
+
+def get_batch(
+    x: np.ndarray,
+    batch_size: int,
+    context_length: int,
+    device: str | torch.device,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `batch_size` random windows of `context_length + 1` consecutive tokens from `x`.
+
+    x: 1-D integer array (a read-only np.memmap is fine; only the sampled windows are read).
+    Window starts are uniform over every valid position 0 .. len(x) - context_length - 1, drawn with
+    torch.randint from `generator` (a CPU generator), so a seeded generator gives the same batches.
+    Returns (inputs, targets), each int64 [batch_size, context_length] on `device`, with
+    targets[b, t] = inputs[b, t + 1] the next token.
+    """
+    num_starts = len(x) - context_length
+    if num_starts < 1:
+        raise ValueError(f"need more than context_length={context_length} tokens, got {len(x)}")
+    starts = torch.randint(0, num_starts, (batch_size,), generator=generator).numpy()
+    # A [batch_size, context_length + 1] fancy index copies exactly the sampled windows.
+    index = starts[:, None] + np.arange(context_length + 1)
+    windows = torch.from_numpy(x[index].astype(np.int64))
+    inputs = windows[:, :-1].contiguous()
+    targets = windows[:, 1:].contiguous()
+    device = torch.device(device)
+    if device.type == "cuda":
+        inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    return inputs.to(device), targets.to(device)

@@ -1,0 +1,87 @@
+"""Causal multi-head self-attention.
+
+Two paths compute the same numbers:
+- `scaled_dot_product_attention`, the readable reference: softmax(Q K^T / sqrt(d_k)) V with a mask,
+  which materialises the whole [T, T] score matrix per head;
+- the default fast path, torch.nn.functional.scaled_dot_product_attention(is_causal=True), a fused
+  kernel that never stores the score matrix and so saves both time and memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinylm.model.layers import Linear, RotaryEmbedding
+from tinylm.nn_utils import softmax
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference attention: softmax(q k^T / sqrt(d_k), masked) v.
+
+    q: [..., T_q, d_k], k: [..., T_k, d_k], v: [..., T_k, d_v]; mask: bool, broadcastable to
+    [..., T_q, T_k], True where a query may attend to a key. Returns [..., T_q, d_v].
+    """
+    d_k = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores, dim=-1) @ v
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """[seq_len, seq_len] bool mask, True on and below the diagonal: position i sees positions <= i."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position attends only to itself and earlier positions.
+
+    q, k and v come from one fused projection qkv_proj: d_model -> 3 * d_model (one matmul instead of
+    three; its weight is the q, k and v weights stacked in that order). RoPE rotates q and k per head.
+    forward: x [B, T, d_model] -> [B, T, d_model].
+    `use_fast_attention` picks the fused PyTorch kernel (default) or the reference path.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        rope: RotaryEmbedding | None = None,
+        use_fast_attention: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if d_model % num_heads != 0:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_head = d_model // num_heads
+        self.rope = rope
+        self.use_fast_attention = use_fast_attention
+        self.qkv_proj = Linear(d_model, 3 * d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.d_head)
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, num_heads, T, d_head]
+        # split / unbind / squeeze rather than indexing: their backward copies gradients into
+        # place without first filling a zero tensor the size of qkv.
+        qk, v = qkv.split([2, 1])
+        if self.rope is not None:
+            qk = self.rope(qk)  # q and k rotated in one call, positions 0 .. T-1
+        q, k = qk.unbind(0)
+        v = v.squeeze(0)
+        if self.use_fast_attention:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask=causal_mask(T, device=x.device))
+        out = out.transpose(1, 2).reshape(B, T, self.d_model)  # heads side by side again
+        return self.output_proj(out)
