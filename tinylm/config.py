@@ -87,10 +87,10 @@ class TrainConfig:
     threads_per_rank: int = field(default=1, metadata=_range(1))
     timeout_s: float = field(default=300.0, metadata=_range(1.0))
     batch_size: int = field(default=16, metadata=_range(1))
-    max_iters: int = field(default=1500, metadata=_range(1))
+    max_iters: int = field(default=1000, metadata=_range(1))
     lr_max: float = field(default=3e-3, metadata=_range(0.0, lo_open=True))
     lr_min: float = field(default=3e-4, metadata=_range(0.0))
-    warmup_iters: int = field(default=75, metadata=_range(0))
+    warmup_iters: int = field(default=50, metadata=_range(0))
     cos_cycle_iters: int | None = field(default=None, metadata=_range(1))
     weight_decay: float = field(default=0.1, metadata=_range(0.0))
     beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
@@ -102,7 +102,7 @@ class TrainConfig:
     log_interval: int = field(default=50, metadata=_range(1))
     val_interval: int = field(default=250, metadata=_range(1))
     val_batches: int = field(default=20, metadata=_range(1))
-    checkpoint_interval: int = field(default=500, metadata=_range(1))
+    checkpoint_interval: int = field(default=250, metadata=_range(1))
     keep_checkpoints: int = field(default=2, metadata=_range(2))
 
     @property
