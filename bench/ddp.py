@@ -1,7 +1,7 @@
 """Benchmark: tinylm's DDP and ShardedOptimizer beside torch's DistributedDataParallel and
 ZeroRedundancyOptimizer, in one run, on the small model.
 
-    python bench/ddp.py [--steps 10] [--warmup 3] [--batch-per-rank 4] [--out bench/results_ddp.md]
+    python bench/ddp.py [--steps 10] [--warmup 3] [--batch-per-rank 4] [--out FILE]
 
 World size 2, one thread per rank, gloo, 25 MB buckets on both sides. Every rank holds four
 copies of the model, one per variant, starting from the same weights, and runs their steps

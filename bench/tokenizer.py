@@ -13,7 +13,7 @@ Measures, as wall-clock time (best of --repeats):
   pre-token cache starts empty, and again with the cache warm) vs tiktoken and HF loaded with the
   same merges (their ids are checked to be equal to ours);
 - `encode_corpus` (the encode stage) into a uint16 .npy, in one process and on all cores.
-Prints a Markdown report (copy it into bench/results_tokenizer.md).
+Prints a Markdown report (its figures go into bench/RESULTS.md).
 """
 
 from __future__ import annotations
