@@ -205,7 +205,7 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
     proc = subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr
-    assert "refused to load with weights_only=True" in proc.stderr
+    assert "with weights_only=True" in proc.stderr
     assert not marker.exists()
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tinylm.checkpoint import CheckpointError, read_checkpoint
 from tinylm.io import atomic_path, atomic_write_text, fsync_dir, sha256_file
 
 MANIFEST = "manifest.json"
@@ -39,10 +40,6 @@ _PUBLISHED = re.compile(r"^step_(\d+)\.pt$")
 # Keys of the manifest that must match for a resume, checked in this order; then every key of the
 # training config ("config": {section: {key: value}}) must match too.
 RESUME_KEYS = ("world_size", "threads_per_rank", "seed", "structural_hash", "tokenizer_sha256")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or state folder is missing, corrupt, untrusted or does not fit this run."""
 
 
 def step_dir(state_dir: Path, step: int) -> Path:
@@ -156,20 +153,14 @@ def load_verified(checkpoint_path: str | os.PathLike, manifest_path: str | os.Pa
     manifest = read_manifest(manifest_path)
     expected = manifest["files"].get(CHECKPOINT)
     if not path.is_file():
-        raise CheckpointError(f"{path}: checkpoint file not found")
+        raise FileNotFoundError(f"checkpoint not found: {path}")
     actual = sha256_file(path)
     if actual != expected:
         raise CheckpointError(
             f"{path}: sha256 {actual[:16]}... does not match its manifest {Path(manifest_path).name} "
             f"({str(expected)[:16]}...): the file is corrupt or truncated"
         )
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # UnpicklingError for hostile pickles, RuntimeError for damaged zips
-        raise CheckpointError(f"{path}: refused to load with weights_only=True: {type(e).__name__}: {e}") from None
-    if not isinstance(payload, dict) or "model" not in payload:
-        raise CheckpointError(f"{path}: not a tinylm checkpoint (no 'model' entry)")
-    return payload, manifest
+    return read_checkpoint(path, map_location), manifest
 
 
 def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
