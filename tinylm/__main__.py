@@ -78,7 +78,7 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
 def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.generating import write_samples
 
-    write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output)
+    write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
 
 
 def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
     p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
 
     p = stage("schema", cmd_schema, "write the config's JSON schema (for Snakemake's validate)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from tinylm import state as state_lib
@@ -64,12 +65,13 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
 
 
 def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
-                  output_path: str | os.PathLike) -> str:
+                  output_path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> str:
     """Sample a completion for every configured prompt from the newest checkpoint; write them all.
 
     The checkpoint is verified against its manifest and loaded with weights_only=True; the model is
     rebuilt from the config stored in it. One generator seeded with `gen_cfg.seed` draws every
-    sample, so the file is reproducible.
+    sample, so the file is reproducible. With `eval_path` (eval.csv) the header quotes the
+    checkpoint's exact validation loss.
     """
     steps = state_lib.published_steps(checkpoint_dir)
     if not steps:
@@ -90,6 +92,13 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
 
     parts = [f"# tinylm samples: checkpoint step {steps[-1]}, temperature {gen_cfg.temperature}, "
              f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"]
+    if eval_path is not None:
+        rows = pd.read_csv(eval_path)
+        row = rows[rows["step"] == steps[-1]]
+        if row.empty:
+            raise ValueError(f"{eval_path}: has no row for step {steps[-1]}; rerun the evaluate stage")
+        parts.append(f"# exact validation loss {row['val_loss'].iloc[0]:.4f} nats per token, "
+                     f"{row['bits_per_byte'].iloc[0]:.4f} bits per byte\n")
     for i, prompt in enumerate(gen_cfg.prompts, start=1):
         new = generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, config["context_length"],
                        gen_cfg.temperature, gen_cfg.top_p, eos_id, generator)
