@@ -154,3 +154,22 @@ def test_non_finite_loss_stops_before_the_update(tiny_data, tmp_path):
     assert committed_steps(state) == [4]
     assert torch.isfinite(final_payload(state)["model"]["lm_head.weight"]).all()
 
+
+
+@pytest.mark.slow
+def test_torchrun_launch_equals_mp_spawn(tiny_data, uninterrupted, tmp_path):
+    """The multi-node entry point: torchrun starts the ranks, each runs `pretrain` in place."""
+    out = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "tinylm", "pretrain", "--config", str(uninterrupted["config"]),
+         "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens", str(tiny_data["train"]),
+         "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
+         "--checkpoint-dir", str(out), "--tensorboard-dir", str(tmp_path / "tb")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    spawned = uninterrupted["state"].parent / "state_ckpt"
+    for step in (4, 8, 12):
+        assert (out / f"step_{step}.pt").read_bytes() == (spawned / f"step_{step}.pt").read_bytes(), step

@@ -93,6 +93,8 @@ def test_two_fresh_runs_are_byte_identical(two_runs):
                 "tokens/valid.npy", "eval.csv", "samples.txt"]:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     for step in (20, 40):
+        # The files themselves are byte-identical; the tensor checks below say what differs if not.
+        same_bytes = (a / "checkpoints" / f"step_{step}.pt").read_bytes() == (b / "checkpoints" / f"step_{step}.pt").read_bytes()
         pa, _ = load_verified(a / "checkpoints" / f"step_{step}.pt")
         pb, _ = load_verified(b / "checkpoints" / f"step_{step}.pt")
         assert pa["model"].keys() == pb["model"].keys()
@@ -101,6 +103,7 @@ def test_two_fresh_runs_are_byte_identical(two_runs):
         for i, state in pa["optimizer"]["state"].items():
             for name, value in state.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(pb["optimizer"]["state"][i][name]))
+        assert same_bytes, f"step_{step}.pt: equal tensors but different bytes"
 
 
 def assert_same_checkpoints(a: Path, b: Path, steps=(20, 40)) -> None:

@@ -49,8 +49,8 @@ def save_checkpoint(
             raise ValueError(f"extra checkpoint entry {key!r} would overwrite a required entry")
         _check_plain(value, where=key)
         state[key] = value
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)  # through a handle: the archive is named "archive", not after tmp
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:

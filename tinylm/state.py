@@ -72,8 +72,8 @@ def commit(state_dir: str | os.PathLike, step: int, payload: dict[str, Any], man
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     ckpt = folder / CHECKPOINT
-    with atomic_path(ckpt) as tmp:
-        torch.save(payload, tmp)
+    with atomic_path(ckpt) as tmp, open(tmp, "wb") as f:
+        torch.save(payload, f)  # through a handle: the archive is named "archive", not after tmp
     manifest = {**manifest, "step": step, "files": {CHECKPOINT: sha256_file(ckpt)}, "torch_version": torch.__version__}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
