@@ -130,8 +130,7 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     before = path.read_bytes()
 
     def crash(obj, f, *args, **kwargs):
-        with open(f, "wb") as out:
-            out.write(b"half a checkpoint")
+        f.write(b"half a checkpoint")  # save_checkpoint hands torch.save an open file
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
