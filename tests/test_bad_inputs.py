@@ -271,3 +271,16 @@ def test_full_disk_while_writing_a_checkpoint_commits_nothing(tmp_path, tiny_dis
     # A small checkpoint still commits once there is room again.
     state_lib.commit(tiny_disk, 2, {"model": {"w": torch.zeros(4)}, "iteration": 2}, {"world_size": 1})
     assert state_lib.committed_steps(tiny_disk) == [2]
+
+
+def test_nccl_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
+    from tinylm.training import check_devices
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices("nccl", 2)
+    check_devices("gloo", 8)
+    with pytest.raises(ValueError, match=r"train\.world_size: 4 ranks .* but this machine has 2"):
+        check_devices("nccl", 4)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun the ranks are spread over machines
+    check_devices("nccl", 4)
