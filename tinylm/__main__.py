@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
 
     def stage(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         g = p.add_mutually_exclusive_group()
         g.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
         g.add_argument("--config-json", help="the whole config as a JSON string (used by the Snakemake rules)")
