@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
 
     def stage(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=help, description=help)
         g = p.add_mutually_exclusive_group()
         g.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
         g.add_argument("--config-json", help="the whole config as a JSON string (used by the Snakemake rules)")
@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = stage("schema", cmd_schema, "write the config's JSON schema (for Snakemake's validate)")
     p.add_argument("--output", default="workflow/schemas/config.schema.json")
+
+    for stage_parser in sub.choices.values():  # show every path's default in --help
+        for action in stage_parser._actions:
+            if action.help is None and action.default is not None:
+                action.help = "default: %(default)s"
     return parser
 
 
