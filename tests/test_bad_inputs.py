@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 import yaml
 
 from tinylm import state as state_lib
-from tinylm.config import load_config
+from tinylm.config import load_config, weight_config
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.training import model_config_of, structural_hash
@@ -200,7 +199,7 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
         cfg = load_config(config)
         manifest.update(structural_hash=structural_hash(model_config_of(cfg, 300)),
                         tokenizer_sha256=sha256_file(tiny_data["tokenizer"]),
-                        config={"model": asdict(cfg.model), "train": asdict(cfg.train)})
+                        config=weight_config(cfg))
         (folder / "manifest.json").write_text(json.dumps(manifest))
     proc = subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)

@@ -106,6 +106,10 @@ def test_run_hash_changes_with_training_keys_only():
     assert run_hash(from_dict(with_value("evaluate", "batch_size", 4))) == base
     assert run_hash(from_dict(with_value("model", "d_model", 64))) != base
     assert run_hash(from_dict(with_value("train", "seed", 1))) != base
+    assert run_hash(from_dict(with_value("train", "checkpoint_interval", 100))) != base
+    # Logging, validation estimates, retention and timeouts never change the weights.
+    assert run_hash(from_dict(with_value("train", "log_interval", 7))) == base
+    assert run_hash(from_dict(with_value("train", "timeout_s", 60.0))) == base
 
 
 def test_committed_schema_is_generated_from_the_dataclasses():

@@ -131,6 +131,15 @@ def test_resume_with_another_world_size_or_shape_is_refused(tiny_data, uninterru
         expected = "world_size differs" if key == "world_size" else "structural_hash differs"
         assert expected in proc.stderr, proc.stderr
     assert committed_steps(uninterrupted["state"]) == [8, 12]
+    # Housekeeping keys may change: the finished run is resumed at its last step, nothing retrains.
+    cfg = yaml.safe_load(uninterrupted["config"].read_text())
+    cfg["train"].update(log_interval=3, val_interval=5, timeout_s=20.0)
+    other = tmp_path / "housekeeping.yaml"
+    other.write_text(yaml.safe_dump(cfg))
+    proc = pretrain(tiny_data, other, uninterrupted["state"])
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from step 12" in proc.stderr and "loss" not in proc.stderr
+    assert committed_steps(uninterrupted["state"]) == [8, 12]
 
 
 @pytest.mark.slow

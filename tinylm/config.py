@@ -308,9 +308,20 @@ def config_hash(*sections: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Train keys that change what is logged, kept or waited for, never the trained weights: a run
+# may be resumed with other values of these.
+HOUSEKEEPING_TRAIN_KEYS = frozenset({"log_interval", "val_interval", "val_batches", "timeout_s", "keep_checkpoints"})
+
+
+def weight_config(cfg: Config) -> dict[str, Any]:
+    """The model and train keys that decide the trained weights (the train section without housekeeping)."""
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in HOUSEKEEPING_TRAIN_KEYS}
+    return {"model": dataclasses.asdict(cfg.model), "train": train}
+
+
 def run_hash(cfg: Config) -> str:
     """Identifies one training run: everything that decides the trained weights."""
-    return config_hash(cfg.corpus, cfg.tokenizer, cfg.model, cfg.train)
+    return config_hash(cfg.corpus, cfg.tokenizer, weight_config(cfg))
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tinylm import state as state_lib
-from tinylm.config import Config, config_hash
+from tinylm.config import Config, config_hash, weight_config
 from tinylm.data import get_batch, load_tokens
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
@@ -93,7 +93,7 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
         "seed": cfg.train.seed,
         "structural_hash": structural_hash(model_config),
         "tokenizer_sha256": sha256_file(tokenizer_path),
-        "config": {"model": asdict(cfg.model), "train": asdict(cfg.train)},
+        "config": weight_config(cfg),
     }
     t = cfg.train
     check_devices(t.backend, t.world_size)
