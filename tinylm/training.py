@@ -173,6 +173,8 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
     distributed = world_size > 1
     np_rng = _seed_everything(t.seed + rank)
+    # Deterministic kernels; cuBLAS needs a fixed workspace for that, set before its first use.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     train_tokens = load_tokens(train_path)
