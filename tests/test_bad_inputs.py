@@ -283,3 +283,27 @@ def test_nccl_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
         check_devices("nccl", 4)
     monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun the ranks are spread over machines
     check_devices("nccl", 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# corpus files, through the CLI
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [(b"fine text \xff\xfe broken", ["not valid UTF-8", "offset 10"]), (b"  \n\t ", ["empty or holds only whitespace"])],
+)
+def test_bad_corpus_file_is_refused_by_the_corpus_stage(tmp_path, content, words):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    config = write_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(bad)]})
+    proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "out" / "train.txt",
+                  "--valid-out", tmp_path / "out" / "valid.txt")
+    assert_refused(proc, str(bad), *words)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_missing_corpus_file_is_named(tmp_path):
+    config = write_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(tmp_path / "nope.txt")]})
+    proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "t.txt", "--valid-out", tmp_path / "v.txt")
+    assert_refused(proc, "nope.txt", "not found")

@@ -69,7 +69,7 @@ CHUNK_SIZE = 1 << 20
 DOWNLOAD_TIMEOUT_S = 60
 
 
-class CorpusError(Exception):
+class CorpusError(ValueError):
     """Bad corpus input: a failed download or checksum, invalid UTF-8, an empty file, ..."""
 
 
