@@ -71,7 +71,8 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
 
     torch.set_num_threads(cfg.evaluate.threads)
     tokenizer = Tokenizer.load(a.tokenizer)
-    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, tokenizer.vocab, cfg.evaluate.batch_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, tokenizer.vocab, cfg.evaluate.batch_size, device)
     write_eval(table, a.output, a.plot)
 
 

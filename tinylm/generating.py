@@ -77,14 +77,15 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
     path = Path(checkpoint_dir) / f"step_{steps[-1]}.pt"
-    payload, _ = state_lib.load_verified(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    payload, _ = state_lib.load_verified(path, map_location=device)
     tokenizer = Tokenizer.load(tokenizer_path)
     config = payload["model_config"]
     if config["vocab_size"] != len(tokenizer.vocab):
         raise ValueError(f"{path}: model vocabulary {config['vocab_size']} differs from {tokenizer_path}'s "
                          f"{len(tokenizer.vocab)}")
     torch.set_num_threads(gen_cfg.threads)
-    model = Transformer(**config)
+    model = Transformer(**config, device=device)
     model.load_state_dict(payload["model"])
     eos = "<|endoftext|>"
     eos_id = tokenizer.encode(eos)[0]
