@@ -124,3 +124,11 @@ def test_load_tokens_checks_dtype_and_shape(tmp_path):
     np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="pickled.npy"):
         load_tokens(pickled)
+
+
+def test_load_tokens_checks_ids_against_the_vocabulary(tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.array([0, 5, 299], dtype=np.uint16))
+    assert len(load_tokens(path, vocab_size=300)) == 3
+    with pytest.raises(ValueError, match=r"t\.npy: token id 299 is outside the tokenizer's vocabulary of 299"):
+        load_tokens(path, vocab_size=299)

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 
-def load_tokens(path: str | os.PathLike) -> np.ndarray:
+def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.ndarray:
     """Open a token file as a read-only memory map: a 1-D uint16 array.
 
-    Raises ValueError naming the file if it is not a plain .npy array of that dtype and shape.
+    Raises ValueError naming the file if it is not a plain .npy array of that dtype and shape, or,
+    given the tokenizer's `vocab_size`, if it holds an id outside it (one streaming pass).
     """
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -25,6 +26,9 @@ def load_tokens(path: str | os.PathLike) -> np.ndarray:
         raise ValueError(f"{path}: token file must hold uint16, found {tokens.dtype}")
     if tokens.ndim != 1:
         raise ValueError(f"{path}: token file must be 1-D, found shape {tokens.shape}")
+    if vocab_size is not None and len(tokens) and (largest := int(tokens.max())) >= vocab_size:
+        raise ValueError(f"{path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size} "
+                         f"(was it encoded with another tokenizer.json?)")
     return tokens
 
 

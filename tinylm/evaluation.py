@@ -76,11 +76,8 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
     steps = state_lib.published_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    tokens = load_tokens(valid_tokens_path)
     vocab_size = len(vocab)
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        raise ValueError(f"{valid_tokens_path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size}")
+    tokens = load_tokens(valid_tokens_path, vocab_size)
     byte_len = token_byte_lengths(vocab)
     predicted_bytes = int(byte_len[np.asarray(tokens[1:], dtype=np.int64)].sum())
     entropy = unigram_entropy(tokens, vocab_size)

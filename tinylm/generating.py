@@ -87,8 +87,9 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     torch.set_num_threads(gen_cfg.threads)
     model = Transformer(**config, device=device)
     model.load_state_dict(payload["model"])
-    eos = "<|endoftext|>"
-    eos_id = tokenizer.encode(eos)[0]
+    if "<|endoftext|>" not in tokenizer.special_ids:
+        raise ValueError(f"{tokenizer_path}: has no <|endoftext|> special token to end samples with")
+    eos_id = tokenizer.special_ids["<|endoftext|>"]
     generator = torch.Generator().manual_seed(gen_cfg.seed)
 
     parts = [f"# tinylm samples: checkpoint step {steps[-1]}, temperature {gen_cfg.temperature}, "

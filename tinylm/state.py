@@ -48,15 +48,16 @@ def step_dir(state_dir: Path, step: int) -> Path:
 
 def committed_steps(state_dir: str | os.PathLike) -> list[int]:
     """Steps whose folder has a manifest, ascending. Folders without one are ignored."""
-    state_dir = Path(state_dir)
-    if not state_dir.is_dir():
+    return _steps(state_dir, _STEP_DIR, lambda p: p / MANIFEST)
+
+
+def _steps(folder: str | os.PathLike, pattern: re.Pattern, manifest_of) -> list[int]:
+    """Ascending steps of the entries of `folder` named like `pattern` whose manifest file exists."""
+    folder = Path(folder)
+    if not folder.is_dir():
         return []
-    steps = []
-    for p in state_dir.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / MANIFEST).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for p in folder.iterdir()
+                  if (m := pattern.match(p.name)) and manifest_of(p).is_file())
 
 
 def commit(state_dir: str | os.PathLike, step: int, payload: dict[str, Any], manifest: dict[str, Any],
@@ -115,15 +116,7 @@ def publish(state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> 
 
 def published_steps(checkpoint_dir: str | os.PathLike) -> list[int]:
     """Steps of `step_N.pt` files that have their `step_N.json` manifest beside them, ascending."""
-    folder = Path(checkpoint_dir)
-    if not folder.is_dir():
-        return []
-    steps = []
-    for p in folder.iterdir():
-        m = _PUBLISHED.match(p.name)
-        if m and p.with_suffix(".json").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return _steps(checkpoint_dir, _PUBLISHED, lambda p: p.with_suffix(".json"))
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

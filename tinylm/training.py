@@ -43,19 +43,6 @@ class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; training stopped before the update."""
 
 
-def check_token_file(path: str | os.PathLike, vocab_size: int, min_tokens: int) -> np.ndarray:
-    """Memory-map a token file and check it against the tokenizer: dtype, shape, largest id, length."""
-    tokens = load_tokens(path)
-    if len(tokens) < min_tokens:
-        raise ValueError(f"{path}: holds {len(tokens)} tokens, fewer than the {min_tokens} needed "
-                         f"(model.context_length + 1)")
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        raise ValueError(f"{path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size} "
-                         f"(was it encoded with another tokenizer.json?)")
-    return tokens
-
-
 def structural_hash(model_config: dict[str, Any]) -> str:
     """What a checkpoint's tensors depend on for their shapes."""
     return config_hash(model_config)
@@ -82,8 +69,11 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
     tokenizer = Tokenizer.load(tokenizer_path)
     vocab_size = len(tokenizer.vocab)
     context_length = cfg.model.context_length
-    check_token_file(train_tokens, vocab_size, context_length + 1)
-    check_token_file(valid_tokens, vocab_size, context_length + 1)
+    for path in (train_tokens, valid_tokens):  # dtype, shape and largest id, then the length
+        num_tokens = len(load_tokens(path, vocab_size))
+        if num_tokens < context_length + 1:
+            raise ValueError(f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
+                             f"(model.context_length + 1)")
 
     state_dir = Path(state_dir)
     model_config = model_config_of(cfg, vocab_size)
