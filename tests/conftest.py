@@ -42,3 +42,4 @@ def tiny_data(tmp_path_factory) -> dict:
     for split in ("train", "valid"):
         encode_corpus(tokenizer, folder / f"{split}.txt", folder / f"{split}.npy", num_workers=1)
     return {"tokenizer": tok_path, "train": folder / "train.npy", "valid": folder / "valid.npy"}
+

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from _tiny_config import write_tiny_config
 
 from tinylm import state as state_lib
 from tinylm.config import load_config, weight_config
@@ -23,18 +23,6 @@ from tinylm.model import Transformer
 from tinylm.training import model_config_of, structural_hash
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_config(path: Path, **sections) -> Path:
-    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg["tokenizer"]["vocab_size"] = 300
-    cfg["model"].update(context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-    cfg["train"].update(batch_size=8, max_iters=4, warmup_iters=1, checkpoint_interval=2, timeout_s=30.0)
-    cfg["generate"].update(max_new_tokens=5)
-    for section, values in sections.items():
-        cfg[section].update(values)
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def tinylm(*args: str) -> subprocess.CompletedProcess:
@@ -78,7 +66,7 @@ def test_truncated_token_file_is_refused_naming_it(tiny_data, tmp_path):
     truncated = tmp_path / "train.npy"
     data = Path(tiny_data["train"]).read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=truncated)), str(truncated))
     assert not (tmp_path / "ckpt").exists()
     assert_refused(tinylm("evaluate", "--config", config, "--tokenizer", tiny_data["tokenizer"],
@@ -91,21 +79,21 @@ def test_truncated_token_file_is_refused_naming_it(tiny_data, tmp_path):
 def test_token_file_of_wrong_dtype_or_shape_is_refused(tiny_data, tmp_path, array):
     bad = tmp_path / "train.npy"
     np.save(bad, array)
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)), str(bad))
 
 
 def test_pickled_token_file_is_refused_and_never_unpickled(tiny_data, tmp_path):
     bad = tmp_path / "train.npy"
     np.save(bad, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)), str(bad))
 
 
 def test_token_file_of_another_vocabulary_is_refused(tiny_data, tmp_path):
     bad = tmp_path / "train.npy"
     np.save(bad, np.array([1, 2, 3, 299, 5000] * 100, dtype=np.uint16))
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)),
                    f"{bad}: token id 5000 is outside the tokenizer's vocabulary of 300")
     assert not (tmp_path / "ckpt").exists()
@@ -114,13 +102,13 @@ def test_token_file_of_another_vocabulary_is_refused(tiny_data, tmp_path):
 def test_validation_tokens_shorter_than_the_context_are_refused(tiny_data, tmp_path):
     short = tmp_path / "valid.npy"
     np.save(short, np.arange(10, dtype=np.uint16))
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, valid=short)), str(short),
                    "holds 10 tokens", "model.context_length")
 
 
 def test_tokenizer_of_another_vocabulary_than_the_config_is_refused_by_encode(tiny_data, tmp_path):
-    config = write_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 512})
+    config = write_tiny_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 512})
     proc = tinylm("encode", "--config", config, "--tokenizer", tiny_data["tokenizer"],
                   "--input", tiny_data["train"].with_suffix(".txt"), "--output", tmp_path / "t.npy")
     assert_refused(proc, str(tiny_data["tokenizer"]), "300", "512")
@@ -130,7 +118,7 @@ def test_tokenizer_of_another_vocabulary_than_the_config_is_refused_by_encode(ti
 def test_tokenizer_file_that_is_not_json_is_refused(tiny_data, tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_bytes(b"\x80\x04\x95 pickle, not json")
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, tokenizer=bad)), str(bad))
 
 
@@ -140,7 +128,7 @@ def test_tokenizer_file_that_is_not_json_is_refused(tiny_data, tmp_path):
 
 def test_checkpoint_of_another_vocabulary_is_refused_by_evaluate_and_generate(tiny_data, tmp_path):
     ckpt = make_checkpoints(tmp_path, vocab_size=400)
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     proc = tinylm("evaluate", "--config", config, "--tokenizer", tiny_data["tokenizer"], "--checkpoint-dir", ckpt,
                   "--valid-tokens", tiny_data["valid"], "--output", tmp_path / "e.csv", "--plot", tmp_path / "e.png")
     assert_refused(proc, "step_2.pt", "400", "300")
@@ -157,7 +145,7 @@ def test_flipped_byte_in_a_published_checkpoint_is_refused(tiny_data, tmp_path):
     data[len(data) // 3] ^= 0x40
     path.unlink()
     path.write_bytes(bytes(data))
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     proc = tinylm("generate", "--config", config, "--tokenizer", tiny_data["tokenizer"], "--checkpoint-dir", ckpt,
                   "--output", tmp_path / "s.txt")
     assert_refused(proc, str(path), "sha256")
@@ -179,7 +167,7 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
     folder = state / "step_0000002"
     folder.mkdir(parents=True)
     torch.save({"model": {}, "iteration": 2, "x": _Exploit(marker)}, folder / "checkpoint.pt")
-    config = write_config(tmp_path / "c.yaml", train={"world_size": 1})
+    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1})
     # The manifest matches this run, so only the pickle itself stands between it and the loader.
     manifest = {"files": {"checkpoint.pt": sha256_file(folder / "checkpoint.pt")}, "step": 2,
                 "world_size": 1, "threads_per_rank": 1, "seed": 0}
@@ -215,7 +203,7 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
 def test_nccl_without_gpus_is_refused(tiny_data, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA devices")
-    config = write_config(tmp_path / "c.yaml", train={"backend": "nccl"})
+    config = write_tiny_config(tmp_path / "c.yaml", train={"backend": "nccl"})
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path)), "train.backend", "nccl", "CUDA")
 
 
@@ -237,7 +225,7 @@ def tiny_disk(tmp_path):
 
 
 def test_full_disk_while_writing_token_files_leaves_nothing(tiny_data, tmp_path, tiny_disk):
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     out = tiny_disk / "train.npy"
     proc = tinylm("encode", "--config", config, "--tokenizer", tiny_data["tokenizer"],
                   "--input", tiny_data["train"].with_suffix(".txt"), "--output", out)
@@ -253,7 +241,7 @@ def test_full_disk_while_writing_token_files_simulated(tiny_data, tmp_path, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    config = write_config(tmp_path / "c.yaml")
+    config = write_tiny_config(tmp_path / "c.yaml")
     out = tmp_path / "out" / "train.npy"
     code = main(["encode", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]),
                  "--input", str(tiny_data["train"].with_suffix(".txt")), "--output", str(out)])
@@ -296,7 +284,7 @@ def test_nccl_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
 def test_bad_corpus_file_is_refused_by_the_corpus_stage(tmp_path, content, words):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(content)
-    config = write_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(bad)]})
+    config = write_tiny_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(bad)]})
     proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "out" / "train.txt",
                   "--valid-out", tmp_path / "out" / "valid.txt")
     assert_refused(proc, str(bad), *words)
@@ -304,6 +292,6 @@ def test_bad_corpus_file_is_refused_by_the_corpus_stage(tmp_path, content, words
 
 
 def test_missing_corpus_file_is_named(tmp_path):
-    config = write_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(tmp_path / "nope.txt")]})
+    config = write_tiny_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(tmp_path / "nope.txt")]})
     proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "t.txt", "--valid-out", tmp_path / "v.txt")
     assert_refused(proc, "nope.txt", "not found")

@@ -10,21 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _tiny_config import write_tiny_config
 
 from tinylm.state import committed_steps, load_verified
 
 ROOT = Path(__file__).resolve().parents[1]
-
-def write_config(path: Path, **train) -> Path:
-    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg["tokenizer"]["vocab_size"] = 300
-    cfg["model"].update(context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-    cfg["train"].update(dict(batch_size=8, max_iters=12, warmup_iters=2, lr_max=1e-2, lr_min=1e-3,
-                             log_interval=1, val_interval=6, val_batches=2, checkpoint_interval=4, timeout_s=30.0))
-    cfg["train"].update(train)
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
 
 def pretrain(data: dict, config: Path, state_dir: Path, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TINYLM_FAULT"}
@@ -68,7 +58,7 @@ def assert_same_tensors(a, b, where=""):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("full")
-    config = write_config(folder / "config.yaml")
+    config = write_tiny_config(folder / "config.yaml")
     proc = pretrain(tiny_data, config, folder / "state")
     assert proc.returncode == 0, proc.stderr
     return {"config": config, "state": folder / "state", "stderr": proc.stderr}
@@ -144,7 +134,7 @@ def test_resume_with_another_world_size_or_shape_is_refused(tiny_data, uninterru
 
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
-    config = write_config(tmp_path / "config.yaml", timeout_s=5.0)
+    config = write_tiny_config(tmp_path / "config.yaml", train={"timeout_s": 5.0})
     start = time.monotonic()
     proc = pretrain(tiny_data, config, tmp_path / "state", fault="rank=1,step=2,action=hang")
     elapsed = time.monotonic() - start
@@ -155,7 +145,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_before_the_update(tiny_data, tmp_path):
-    config = write_config(tmp_path / "config.yaml")
+    config = write_tiny_config(tmp_path / "config.yaml")
     state = tmp_path / "state"
     proc = pretrain(tiny_data, config, state, fault="rank=0,step=6,action=nan")
     assert proc.returncode == 1
