@@ -260,17 +260,32 @@ def test_full_disk_while_writing_a_checkpoint_commits_nothing(tmp_path, tiny_dis
     assert state_lib.committed_steps(tiny_disk) == [2]
 
 
-def test_nccl_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
-    from tinylm.training import check_devices
+def test_backend_rules_against_the_cuda_device_count(monkeypatch, capsys):
+    from tinylm.training import resolve_backend
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_backend("auto", 2) == "gloo" and capsys.readouterr().err == ""  # a CPU machine: silent
+    with pytest.raises(ValueError, match="'nccl' needs CUDA devices, and none is available"):
+        resolve_backend("nccl", 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    check_devices("nccl", 2)
-    check_devices("gloo", 8)
-    with pytest.raises(ValueError, match=r"train\.world_size: 4 ranks .* but this machine has 2"):
-        check_devices("nccl", 4)
-    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun the ranks are spread over machines
-    check_devices("nccl", 4)
+    assert resolve_backend("nccl", 2) == "nccl" and resolve_backend("auto", 2) == "nccl"
+    assert resolve_backend("gloo", 8) == "gloo"
+    with pytest.raises(ValueError, match=r"train\.world_size: 4 ranks on this machine .* need 4 CUDA devices, "
+                                         r"but it has 2 \(set train\.world_size to 2 or fewer"):
+        resolve_backend("nccl", 4)
+    capsys.readouterr()
+    assert resolve_backend("auto", 4) == "gloo"  # the default command works anywhere, and says so
+    assert ("train.world_size 4 is more ranks than this machine's 2 CUDA devices: training on the CPU with gloo "
+            "(set train.world_size: 2 to use the GPUs)") in capsys.readouterr().err
+    # Under torchrun the ranks of this machine count, not the whole world.
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_backend("nccl", 8) == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="4 ranks on this machine"):
+        resolve_backend("nccl", 8)
 
 
 # ------------------------------------------------------------------------------------------------

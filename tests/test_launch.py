@@ -94,14 +94,16 @@ def test_parse_and_inject_fault(monkeypatch):
     for bad in ("rank=1,step=3", "rank=1,step=3,action=explode", "rank=1;step=3;action=raise"):
         with pytest.raises(ValueError, match=FAULT_ENV):
             parse_fault(bad)
-    assert maybe_inject_fault(1, 3) is False  # unset: nothing happens
+    assert maybe_inject_fault(1, 3) is None  # unset: nothing happens
     monkeypatch.setenv(FAULT_ENV, "rank=1,step=3,action=raise")
-    assert maybe_inject_fault(0, 3) is False
-    assert maybe_inject_fault(1, 2) is False
+    assert maybe_inject_fault(0, 3) is None
+    assert maybe_inject_fault(1, 2) is None
     with pytest.raises(RuntimeError, match="injected fault"):
         maybe_inject_fault(1, 3)
     monkeypatch.setenv(FAULT_ENV, "rank=0,step=5,action=nan")
-    assert [maybe_inject_fault(r, s) for r, s in [(0, 4), (1, 5), (0, 5)]] == [False, False, True]
+    assert [maybe_inject_fault(r, s) for r, s in [(0, 4), (1, 5), (0, 5)]] == [None, None, "nan"]
+    monkeypatch.setenv(FAULT_ENV, "rank=1,step=2,action=overflow")
+    assert [maybe_inject_fault(r, s) for r, s in [(1, 1), (1, 2)]] == [None, "overflow"]
 
 
 def test_raising_rank_fails_the_job_with_its_traceback(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.optim import AdamW, cos_lr_scheduler
+from tinylm.optim import AdamW, cos_lr_scheduler, param_groups
 
 CONFIG = dict(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
 
@@ -43,6 +43,7 @@ def _assert_params_close(a, b, rtol=1e-6):
         assert err <= rtol, f"{name}: relative difference {err:.2e}"
 
 
+@pytest.mark.parametrize("foreach", [True, False], ids=["torch-foreach", "torch-for-loop"])
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -50,12 +51,12 @@ def _assert_params_close(a, b, rtol=1e-6):
         {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1},
     ],
 )
-def test_adamw_matches_torch_adamw_for_100_steps(kwargs):
+def test_adamw_matches_torch_adamw_for_100_steps(kwargs, foreach):
     torch.manual_seed(0)
     ours_model = Transformer(**CONFIG)
     torch_model = copy.deepcopy(ours_model)
     ours = AdamW(ours_model.parameters(), **kwargs)
-    theirs = torch.optim.AdamW(torch_model.parameters(), **kwargs)
+    theirs = torch.optim.AdamW(torch_model.parameters(), foreach=foreach, **kwargs)
     _train(ours_model, ours, steps=100, seed=1)
     _train(torch_model, theirs, steps=100, seed=1)
     _assert_params_close(ours_model, torch_model)
@@ -72,6 +73,40 @@ def test_adamw_param_groups_match_torch():
     _train(ours_model, ours, steps=30, seed=2)
     _train(torch_model, theirs, steps=30, seed=2)
     _assert_params_close(ours_model, torch_model)
+
+
+def test_param_groups_decay_matrices_only_and_train_like_torch():
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    decayed, plain = param_groups(model, 0.1)
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    norms = {id(p) for name, p in model.named_parameters() if "ln" in name}
+    assert {id(p) for p in plain["params"]} == norms  # every RMSNorm gain, nothing else
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    torch_model = copy.deepcopy(model)
+    ours = AdamW(param_groups(model, 0.1), lr=1e-2)
+    theirs = torch.optim.AdamW(param_groups(torch_model, 0.1), lr=1e-2, foreach=True)
+    _train(model, ours, steps=20, seed=5)
+    _train(torch_model, theirs, steps=20, seed=5)
+    _assert_params_close(model, torch_model)
+
+
+def test_adamw_groups_tensors_of_several_dtypes_and_keeps_step_counters_on_the_cpu():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2, dtype=dtype)) for dtype in (torch.float32, torch.float64)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = AdamW(params, lr=0.1), torch.optim.AdamW(twins, lr=0.1, foreach=False)
+    for _ in range(5):
+        for ps, opt in ((params, ours), (twins, theirs)):
+            for p in ps:
+                p.grad = torch.sin(p.detach() * 3)
+            opt.step()
+    for p, q in zip(params, twins, strict=True):
+        assert p.dtype == q.dtype
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        state = ours.state[p]
+        assert state["step"].device.type == "cpu" and state["step"].dtype == torch.float32
+        assert state["exp_avg"].dtype == p.dtype
 
 
 def test_adamw_defaults_match_torch():

@@ -103,10 +103,10 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
 
 def test_resume_check_names_the_value_that_differs():
     check_resumable(MANIFEST, dict(MANIFEST), "s")
-    with pytest.raises(CheckpointError, match="world_size differs.*2.*3"):
-        check_resumable(MANIFEST, {**MANIFEST, "world_size": 3}, "s")
-    with pytest.raises(CheckpointError, match="threads_per_rank differs"):
-        check_resumable(MANIFEST, {**MANIFEST, "threads_per_rank": 2}, "s")
+    # The same batches at any world size or thread count: those may change.
+    check_resumable(MANIFEST, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
+    with pytest.raises(CheckpointError, match="seed differs.*0.*1"):
+        check_resumable(MANIFEST, {**MANIFEST, "seed": 1}, "s")
     with pytest.raises(CheckpointError, match="structural_hash differs"):
         check_resumable(MANIFEST, {**MANIFEST, "structural_hash": "zzz"}, "s")
     with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):

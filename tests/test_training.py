@@ -1,9 +1,14 @@
-"""The pretrain stage: it learns, a killed run resumes bit-identically, faults end the job cleanly."""
+"""The pretrain stage: it learns, a killed run resumes bit-identically, faults end the job cleanly,
+every world size and accumulation trains on the same tokens, float16 skips overflowing updates, and
+bf16 autocast with torch.compile trains."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -12,7 +17,7 @@ import torch
 import yaml
 from _tiny_config import write_tiny_config
 
-from tinylm.state import committed_steps, load_verified
+from tinylm.state import committed_steps, load_verified, step_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,15 +34,30 @@ def pretrain(data: dict, config: Path, state_dir: Path, fault: str | None = None
     )
 
 
+def pretrain_ok(data: dict, config: Path, state_dir: Path, fault: str | None = None) -> str:
+    proc = pretrain(data, config, state_dir, fault)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
 def logged_losses(stderr: str) -> dict[int, str]:
     """step -> the loss exactly as printed."""
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ loss (\S+)", stderr)}
 
 
-def final_payload(state_dir: Path) -> dict:
-    step = committed_steps(state_dir)[-1]
-    payload, _ = load_verified(state_dir / f"step_{step:07d}" / "checkpoint.pt")
+def final_payload(state_dir: Path, step: int | None = None) -> dict:
+    step = committed_steps(state_dir)[-1] if step is None else step
+    payload, _ = load_verified(step_dir(state_dir, step) / "checkpoint.pt")
     return payload
+
+
+def copy_state_up_to(src: Path, dst: Path, last_step: int) -> Path:
+    """A copy of a state folder as if the run had been stopped right after committing `last_step`."""
+    shutil.copytree(src, dst)
+    for step in committed_steps(dst):
+        if step > last_step:
+            shutil.rmtree(step_dir(dst, step))
+    return dst
 
 
 def assert_same_tensors(a, b, where=""):
@@ -76,11 +96,11 @@ def test_training_learns_and_publishes_every_checkpoint(uninterrupted):
     assert payload["iteration"] == 12 and len(payload["rng"]) == 2
     # The consolidated optimizer state covers every parameter and loads into a plain AdamW.
     from tinylm.model import Transformer
-    from tinylm.optim import AdamW
+    from tinylm.optim import AdamW, param_groups
 
     model = Transformer(**payload["model_config"])
     model.load_state_dict(payload["model"])
-    opt = AdamW(model.parameters())
+    opt = AdamW(param_groups(model, 0.1))
     opt.load_state_dict(payload["optimizer"])
     assert len(opt.state) == len(list(model.parameters()))
 
@@ -109,21 +129,21 @@ def test_killed_run_resumes_bit_identically(tiny_data, uninterrupted, tmp_path, 
 
 
 @pytest.mark.slow
-def test_resume_with_another_world_size_or_shape_is_refused(tiny_data, uninterrupted, tmp_path):
-    for key, value, section in [("world_size", 1, "train"), ("d_ff", 96, "model")]:
+def test_resume_with_another_shape_or_optimizer_value_is_refused(tiny_data, uninterrupted, tmp_path):
+    for key, value, section in [("lr_max", 0.02, "train"), ("d_ff", 96, "model")]:
         cfg = yaml.safe_load(uninterrupted["config"].read_text())
         cfg[section][key] = value
-        cfg["train"]["max_iters"] = 20
         other = tmp_path / f"{key}.yaml"
         other.write_text(yaml.safe_dump(cfg))
         proc = pretrain(tiny_data, other, uninterrupted["state"])
         assert proc.returncode == 1
-        expected = "world_size differs" if key == "world_size" else "structural_hash differs"
+        expected = "train.lr_max differs" if key == "lr_max" else "structural_hash differs"
         assert expected in proc.stderr, proc.stderr
     assert committed_steps(uninterrupted["state"]) == [8, 12]
-    # Housekeeping keys may change: the finished run is resumed at its last step, nothing retrains.
+    # Execution keys may change: the finished run is resumed at its last step, nothing retrains.
     cfg = yaml.safe_load(uninterrupted["config"].read_text())
-    cfg["train"].update(log_interval=3, val_interval=5, timeout_s=20.0)
+    cfg["train"].update(log_interval=3, val_interval=5, timeout_s=20.0, world_size=1, grad_accum_steps=2,
+                        compile=True)
     other = tmp_path / "housekeeping.yaml"
     other.write_text(yaml.safe_dump(cfg))
     proc = pretrain(tiny_data, other, uninterrupted["state"])
@@ -172,3 +192,174 @@ def test_torchrun_launch_equals_mp_spawn(tiny_data, uninterrupted, tmp_path):
     spawned = uninterrupted["state"].parent / "state_ckpt"
     for step in (4, 8, 12):
         assert (out / f"step_{step}.pt").read_bytes() == (spawned / f"step_{step}.pt").read_bytes(), step
+
+
+# ------------------------------------------------------------------------------------------------
+# One global batch per step, whatever the world size and accumulation
+
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (1, 4)]  # (world_size, grad_accum_steps), batch_size 8
+
+
+@pytest.mark.slow
+def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_data, tmp_path):
+    """In float64 rounding is negligible, so the four layouts must give the same weights (1e-10)."""
+    configs = []
+    for world_size, accum in LAYOUTS:
+        path = write_tiny_config(tmp_path / f"ws{world_size}_a{accum}.yaml",
+                                 train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6})
+        configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
+    # One subprocess runs all four in turn: train() in-process sets torch's global switches.
+    script = textwrap.dedent(f"""
+        import torch
+        from tinylm.config import load_config
+        from tinylm.training import train
+        data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
+        for config, state in {configs!r}:
+            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt",
+                  param_dtype=torch.float64)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    finals = [final_payload(Path(state))["model"] for _, state in configs]
+    reference = finals[0]
+    assert reference["lm_head.weight"].dtype == torch.float64
+    moved = (reference["lm_head.weight"] - final_payload(Path(configs[0][1]), 4)["model"]["lm_head.weight"]).abs()
+    assert moved.max() > 1e-3  # the weights did change between checkpoints, so agreement means something
+    for (world_size, accum), final in zip(LAYOUTS[1:], finals[1:], strict=True):
+        for name, tensor in final.items():
+            diff = (tensor - reference[name]).abs().max().item()
+            assert diff < 1e-10, f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
+
+
+@pytest.fixture(scope="module")
+def accumulated(tiny_data, tmp_path_factory):
+    """The `uninterrupted` run's config at world size 1 with 4 accumulation micro-steps."""
+    folder = tmp_path_factory.mktemp("accumulated")
+    config = write_tiny_config(folder / "config.yaml", train={"world_size": 1, "grad_accum_steps": 4})
+    return {"config": config, "state": folder / "state", "stderr": pretrain_ok(tiny_data, config, folder / "state")}
+
+
+@pytest.mark.slow
+def test_accumulation_logs_the_same_float32_losses_as_more_ranks(uninterrupted, accumulated):
+    ranks, accum = logged_losses(uninterrupted["stderr"]), logged_losses(accumulated["stderr"])
+    assert sorted(ranks) == sorted(accum) == list(range(1, 13))
+    for step in ranks:
+        assert abs(float(ranks[step]) - float(accum[step])) < 1e-4, step
+    assert float(accum[12]) < float(accum[1]) - 0.5
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_continues_the_same_data_stream(tiny_data, uninterrupted, tmp_path):
+    state = copy_state_up_to(uninterrupted["state"], tmp_path / "state", last_step=8)
+    cfg = yaml.safe_load(uninterrupted["config"].read_text())
+    cfg["train"].update(world_size=1, grad_accum_steps=2)
+    config = tmp_path / "ws1.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    stderr = pretrain_ok(tiny_data, config, state)
+    assert "resuming from step 8" in stderr and "written at world size 2, continued at 1" in stderr
+    full, again = logged_losses(uninterrupted["stderr"]), logged_losses(stderr)
+    assert sorted(again) == [9, 10, 11, 12]
+    assert all(abs(float(again[s]) - float(full[s])) < 1e-4 for s in again)
+    a, b = final_payload(uninterrupted["state"])["model"], final_payload(state)["model"]
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# float16 with a gradient scaler; bf16 autocast with torch.compile
+
+
+@pytest.fixture(scope="module")
+def float16_run(tiny_data, tmp_path_factory):
+    """float16 autocast at world size 2, every step committed; rank 1's step 6 gradients overflow."""
+    folder = tmp_path_factory.mktemp("float16")
+    config = write_tiny_config(folder / "config.yaml", train={"dtype": "float16", "checkpoint_interval": 1,
+                                                               "keep_checkpoints": 20, "shard_optimizer": False})
+    stderr = pretrain_ok(tiny_data, config, folder / "state", fault="rank=1,step=5,action=overflow")
+    return {"config": config, "state": folder / "state", "stderr": stderr}
+
+
+@pytest.mark.slow
+def test_float16_overflow_skips_the_update_on_every_rank_and_lowers_the_scale(float16_run):
+    assert "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in float16_run["stderr"]
+    before, skipped, after = (final_payload(float16_run["state"], s) for s in (5, 6, 7))
+    # Only rank 1 overflowed, yet rank 0 (whose state is saved) skipped too: the decision is global.
+    assert_same_tensors(before["model"], skipped["model"], "model")
+    assert_same_tensors(before["optimizer"]["state"], skipped["optimizer"]["state"], "optimizer")
+    assert skipped["grad_scaler"]["scale"] == before["grad_scaler"]["scale"] / 2 == 32768.0
+    assert not torch.equal(after["model"]["lm_head.weight"], skipped["model"]["lm_head.weight"])
+    # Parameters and optimizer state stay float32 under float16 autocast.
+    assert all(t.dtype == torch.float32 for t in after["model"].values())
+    assert after["optimizer"]["state"][0]["exp_avg"].dtype == torch.float32
+    losses = logged_losses(float16_run["stderr"])
+    assert float(losses[12]) < float(losses[1]) - 0.5
+
+
+@pytest.mark.slow
+def test_float16_resume_restores_the_scaler_bit_identically(tiny_data, float16_run, tmp_path):
+    state = copy_state_up_to(float16_run["state"], tmp_path / "state", last_step=7)
+    stderr = pretrain_ok(tiny_data, float16_run["config"], state)  # no fault now: steps 8-12 as before
+    assert "resuming from step 7" in stderr
+    a, b = final_payload(float16_run["state"]), final_payload(state)
+    for key in ("model", "optimizer", "grad_scaler"):
+        assert_same_tensors(a[key], b[key], key)
+
+
+@pytest.mark.slow
+def test_bfloat16_with_compile_trains_and_saves_plain_float32_weights(tiny_data, accumulated, tmp_path):
+    config = write_tiny_config(tmp_path / "config.yaml", train={"world_size": 1, "dtype": "bfloat16",
+                                                                  "compile": True, "peak_flops": 1e11})
+    stderr = pretrain_ok(tiny_data, config, tmp_path / "state")
+    assert len(re.findall(r"torch.compile: the first step took [\d.]+ s", stderr)) == 1
+    assert re.search(r"step 12/12 loss \S+ lr \S+ [\d,]+ tok/s MFU [\d.]+% peak mem [\d,]+ MiB", stderr)
+    assert "MFU" not in accumulated["stderr"]  # on the CPU only with train.peak_flops
+    from tinylm.model import Transformer
+
+    payload = final_payload(tmp_path / "state")
+    plain = Transformer(**payload["model_config"]).state_dict()
+    assert payload["model"].keys() == plain.keys()  # no "_orig_mod." prefix
+    assert all(t.dtype == torch.float32 for t in payload["model"].values())
+    # bf16 rounds, but it trains on the same tokens as the float32 run and stays close to it.
+    ours, reference = logged_losses(stderr), logged_losses(accumulated["stderr"])
+    assert all(abs(float(ours[s]) - float(reference[s])) < 0.05 for s in reference)
+
+
+# ------------------------------------------------------------------------------------------------
+# Units of the loop
+
+
+def test_micro_batches_tile_the_global_batch_in_rank_major_order():
+    from tinylm.training import global_batch_starts, micro_batch_starts
+
+    starts = global_batch_starts(seed=3, step=7, batch_size=24, num_starts=10_000)
+    assert torch.equal(starts, global_batch_starts(seed=3, step=7, batch_size=24, num_starts=10_000))
+    assert not torch.equal(starts, global_batch_starts(seed=3, step=8, batch_size=24, num_starts=10_000))
+    for world_size, accum in [(1, 1), (2, 1), (2, 3), (3, 2), (1, 8), (4, 2)]:
+        slices = [micro_batch_starts(starts, r, m, world_size, accum) for r in range(world_size) for m in range(accum)]
+        assert {len(s) for s in slices} == {24 // (world_size * accum)}
+        assert torch.equal(torch.cat(slices), starts), (world_size, accum)
+
+
+def test_fault_hooks_poison_only_the_forwards_of_their_step(monkeypatch):
+    from tinylm.faults import OVERFLOW_FACTOR, install_fault_hooks
+
+    monkeypatch.setenv("TINYLM_FAULT", "rank=0,step=5,action=nan")
+    module = torch.nn.Linear(2, 2)
+    install_fault_hooks(module, rank=0, first_step=4, micro_steps=2)  # resumed at step 4, 2 micro-steps
+    x = torch.ones(1, 2)
+    finite = [bool(torch.isfinite(module(x)).all()) for _ in range(6)]  # steps 4, 4, 5, 5, 6, 6
+    assert finite == [True, True, False, False, True, True]
+
+    monkeypatch.setenv("TINYLM_FAULT", "rank=1,step=0,action=overflow")
+    module = torch.nn.Linear(2, 1)
+    install_fault_hooks(module, rank=1, first_step=0, micro_steps=1)
+    module(x).sum().backward()
+    poisoned = module.weight.grad.clone()
+    module.weight.grad = None
+    module(x).sum().backward()
+    torch.testing.assert_close(poisoned, module.weight.grad * OVERFLOW_FACTOR)
+
+    monkeypatch.delenv("TINYLM_FAULT")
+    module = torch.nn.Linear(2, 2)
+    install_fault_hooks(module, rank=0, first_step=0, micro_steps=1)
+    assert not module._forward_hooks and not module._forward_pre_hooks  # unset: nothing installed

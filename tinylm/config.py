@@ -87,6 +87,11 @@ class TrainConfig:
     threads_per_rank: int = field(default=1, metadata=_range(1))
     timeout_s: float = field(default=300.0, metadata=_range(1.0))
     batch_size: int = field(default=16, metadata=_range(1))
+    grad_accum_steps: int = field(default=1, metadata=_range(1))
+    dtype: str = field(default="auto", metadata=_range(choices=["auto", "float32", "bfloat16", "float16"]))
+    compile: bool = False
+    deterministic: bool = True
+    peak_flops: float | None = field(default=None, metadata=_range(0.0, lo_open=True))
     max_iters: int = field(default=1000, metadata=_range(1))
     lr_max: float = field(default=3e-3, metadata=_range(0.0, lo_open=True))
     lr_min: float = field(default=3e-4, metadata=_range(0.0))
@@ -262,9 +267,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} must be even for RoPE"
         )
-    if train.batch_size % train.world_size:
+    if train.batch_size % (train.world_size * train.grad_accum_steps):
         raise ConfigError(
-            f"train.batch_size: {train.batch_size} is not divisible by train.world_size = {train.world_size}"
+            f"train.batch_size: {train.batch_size} is not divisible by train.world_size * train.grad_accum_steps "
+            f"= {train.world_size} * {train.grad_accum_steps} (each rank's micro-batch is "
+            f"batch_size / (world_size * grad_accum_steps) sequences)"
         )
     if train.lr_min > train.lr_max:
         raise ConfigError(f"train.lr_min: {train.lr_min} is larger than train.lr_max = {train.lr_max}")
@@ -308,14 +315,20 @@ def config_hash(*sections: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# Train keys that change what is logged, kept or waited for, never the trained weights: a run
-# may be resumed with other values of these.
-HOUSEKEEPING_TRAIN_KEYS = frozenset({"log_interval", "val_interval", "val_batches", "timeout_s", "keep_checkpoints"})
+# Train keys that decide how a run is executed, logged, kept or waited for, never which updates it
+# makes: the global batch of every step is the same at any world size or accumulation (see
+# tinylm/training.py), so a run may be resumed with other values of these. Changing world_size,
+# grad_accum_steps, threads_per_rank, backend, compile or deterministic changes the weights within
+# float tolerance only; the rest not at all.
+EXECUTION_TRAIN_KEYS = frozenset({
+    "world_size", "grad_accum_steps", "threads_per_rank", "backend", "compile", "deterministic", "bucket_size_mb",
+    "shard_optimizer", "peak_flops", "log_interval", "val_interval", "val_batches", "timeout_s", "keep_checkpoints",
+})
 
 
 def weight_config(cfg: Config) -> dict[str, Any]:
-    """The model and train keys that decide the trained weights (the train section without housekeeping)."""
-    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in HOUSEKEEPING_TRAIN_KEYS}
+    """The model and train keys that decide the trained weights (the train section without execution keys)."""
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in EXECUTION_TRAIN_KEYS}
     return {"model": dataclasses.asdict(cfg.model), "train": train}
 
 

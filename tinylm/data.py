@@ -47,12 +47,27 @@ def get_batch(
     Returns (inputs, targets), each int64 [batch_size, context_length] on `device`, with
     targets[b, t] = inputs[b, t + 1] the next token.
     """
+    starts = torch.randint(0, num_window_starts(x, context_length), (batch_size,), generator=generator)
+    return get_windows(x, starts, context_length, device)
+
+
+def num_window_starts(x: np.ndarray, context_length: int) -> int:
+    """How many windows of context_length + 1 tokens `x` holds (their starts are 0 .. this - 1)."""
     num_starts = len(x) - context_length
     if num_starts < 1:
         raise ValueError(f"need more than context_length={context_length} tokens, got {len(x)}")
-    starts = torch.randint(0, num_starts, (batch_size,), generator=generator).numpy()
-    # A [batch_size, context_length + 1] fancy index copies exactly the sampled windows.
-    index = starts[:, None] + np.arange(context_length + 1)
+    return num_starts
+
+
+def get_windows(
+    x: np.ndarray, starts: torch.Tensor, context_length: int, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows x[s : s + context_length + 1] for each s of `starts` [B], as (inputs, targets) [B, T].
+
+    On CUDA the copy goes through pinned memory and does not block the host.
+    """
+    # A [B, context_length + 1] fancy index copies exactly the sampled windows.
+    index = starts.numpy()[:, None] + np.arange(context_length + 1)
     windows = torch.from_numpy(x[index].astype(np.int64))
     inputs = windows[:, :-1].contiguous()
     targets = windows[:, 1:].contiguous()

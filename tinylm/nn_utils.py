@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -67,13 +66,6 @@ class _CrossEntropy(torch.autograd.Function):
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """x in float32 if it is bf16 / fp16, unchanged if float32 or float64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class CrossEntropyLoss(nn.Module):
-    """Module form of `cross_entropy`: loss_fn(logits [..., V], targets [...]) -> scalar mean loss."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets)
 
 
 @torch.no_grad()

@@ -14,11 +14,15 @@ class AdamW(torch.optim.Optimizer):
         p   <- p * (1 - lr * weight_decay)                    decay, independent of the gradient
         m   <- beta1 * m + (1 - beta1) * g                    first moment
         v   <- beta2 * v + (1 - beta2) * g^2                  second moment
-        p   <- p - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
+        p   <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-    State per parameter: `step` (float32 0-d tensor, as torch keeps it), `exp_avg` (m) and
-    `exp_avg_sq` (v). Each param group may set its own lr, betas, eps and weight_decay. Parameters
-    without a gradient are skipped. Works on any subset of a model's parameters.
+    Each line runs as one multi-tensor (`torch._foreach_*`) call over all parameters of a group that
+    share a device and dtype, instead of a few small kernels per parameter.
+
+    State per parameter: `step` (a float32 0-d tensor on the CPU, as torch keeps it: reading it never
+    waits for the GPU), `exp_avg` (m) and `exp_avg_sq` (v), beside the parameter. Each param group
+    may set its own lr, betas, eps and weight_decay. Parameters without a gradient are skipped.
+    Works on any subset of a model's parameters; the state dict loads into torch.optim.AdamW.
     """
 
     def __init__(
@@ -48,33 +52,57 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
 
         for group in self.param_groups:
-            lr = group["lr"]
-            beta1, beta2 = group["betas"]
-            eps = group["eps"]
-            weight_decay = group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                state["step"] += 1
-                t = state["step"].item()
+            lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for params in _by_device_and_dtype(p for p in group["params"] if p.grad is not None):
+                grads = [p.grad for p in params]
+                states = [self._state_of(p) for p in params]
+                exp_avgs = [s["exp_avg"] for s in states]
+                exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+                steps = [s["step"] for s in states]
+                torch._foreach_add_(steps, 1.0)  # CPU tensors: no device work, no sync
+                t = [step.item() for step in steps]
 
-                p.mul_(1 - lr * weight_decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                if weight_decay != 0.0:
+                    torch._foreach_mul_(params, 1 - lr * weight_decay)
+                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
 
-                bias_correction1 = 1 - beta1**t
-                bias_correction2 = 1 - beta2**t
-                denom = exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+                denom = torch._foreach_sqrt(exp_avg_sqs)
+                torch._foreach_div_(denom, [math.sqrt(1 - beta2**ti) for ti in t])
+                torch._foreach_add_(denom, eps)
+                torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**ti) for ti in t])
 
         return loss
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+
+def _by_device_and_dtype(params) -> list[list[torch.Tensor]]:
+    """Parameters grouped by (device, dtype), in first-seen order: one multi-tensor call per group."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    return list(groups.values())
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW param groups: weight decay on matrices (>= 2 dims), none on gains and other vectors.
+
+    Decay pulls weights towards 0; for RMSNorm gains (initialised to 1) that fights the
+    normalisation rather than regularising. Parameters keep their registration order in each group.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def cos_lr_scheduler(it: int, warmup_iters: int, cos_cycle_iters: int, lr_min: float, lr_max: float) -> float:

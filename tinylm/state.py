@@ -38,8 +38,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PUBLISHED = re.compile(r"^step_(\d+)\.pt$")
 
 # Keys of the manifest that must match for a resume, checked in this order; then every key of the
-# training config ("config": {section: {key: value}}) must match too.
-RESUME_KEYS = ("world_size", "threads_per_rank", "seed", "structural_hash", "tokenizer_sha256")
+# training config ("config": {section: {key: value}}) must match too. The world size, threads and
+# accumulation may differ: every step's global batch is the same at any of them.
+RESUME_KEYS = ("seed", "structural_hash", "tokenizer_sha256")
 
 
 def step_dir(state_dir: Path, step: int) -> Path:

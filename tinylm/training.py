@@ -1,14 +1,25 @@
 """Pretraining: `train()` checks everything and launches one `_train` per rank.
 
-Per step and rank: a batch of `batch_size // world_size` windows (a pure function of seed, step and
-rank), forward, our cross-entropy, backward (our DDP all-reduces gradient buckets while backward
-runs), `finish_gradient_sync()`, one global gradient clip, then the (sharded) AdamW step with the
-cosine learning rate written into every param group. Gradients are clipped after they are
-averaged, so every rank clips by the same global norm.
+One update (step s, 0-based), on every rank r of world_size, with A = train.grad_accum_steps:
 
-Rank 0 logs progress, writes TensorBoard scalars, runs validation and writes committed checkpoints
-into the state folder (see tinylm/state.py), which are then published into the checkpoint folder.
-A killed run resumes from the newest committed step and continues bit-identically.
+    global batch    batch_size window starts drawn from a generator seeded by (seed, s) only
+    micro-batches   rank r takes slices r*A .. r*A + A - 1 of it, batch_size / (world_size * A) each
+    forward         autocast to train.dtype (parameters stay float32), our cross-entropy in float32,
+                    divided by A; backward inside ddp.no_sync() for all micro-batches but the last
+    sync            finish_gradient_sync(): every .grad is the average over ranks (our DDP
+                    all-reduces gradient buckets while the last backward runs)
+    clip            one global gradient-norm clip after the sync, so every rank clips alike
+    update          (sharded) AdamW with the cosine learning rate of update s + 1; with float16 a
+                    GradScaler scales the loss and skips the update when gradients overflow
+
+So the same config at any world size or accumulation trains on the same tokens and, up to float
+rounding, to the same weights; a run may be resumed at another world size. Each step costs one
+host sync (the loss and gradient norm, read together for the log and the non-finite check).
+
+Rank 0 logs progress (loss, lr, tokens/s, MFU, peak memory), writes TensorBoard scalars, runs
+validation and writes committed checkpoints into the state folder (see tinylm/state.py), which are
+then published into the checkpoint folder. A killed run resumes from the newest committed step and,
+at the same world size, continues bit-identically.
 """
 
 from __future__ import annotations
@@ -29,13 +40,15 @@ import torch.distributed as dist
 
 from tinylm import state as state_lib
 from tinylm.config import Config, config_hash, weight_config
-from tinylm.data import get_batch, load_tokens
+from tinylm.data import get_batch, get_windows, load_tokens, num_window_starts
+from tinylm.faults import install_fault_hooks
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, gradient_clip
-from tinylm.optim import AdamW, cos_lr_scheduler
+from tinylm.optim import AdamW, cos_lr_scheduler, param_groups
 from tinylm.parallel import DDP, ShardedOptimizer, launch
-from tinylm.parallel.launch import maybe_inject_fault
+from tinylm.precision import autocast, resolve_dtype
+from tinylm.throughput import flops_per_token, mfu, peak_flops, peak_memory_mib
 from tinylm.tokenizer import Tokenizer
 
 
@@ -52,19 +65,23 @@ def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
     return {"vocab_size": vocab_size, **asdict(cfg.model)}
 
 
-def batch_generator(seed: int, step: int, rank: int, stream: int = 0) -> torch.Generator:
-    """A generator that depends only on (seed, step, rank, stream): batches survive a resume."""
-    mixed = np.random.SeedSequence([seed, step, rank, stream]).generate_state(1, dtype=np.uint64)[0]
+def batch_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator that depends only on (seed, step, stream): batches survive a resume.
+
+    stream 0 draws the training batches, stream 1 the validation estimates.
+    """
+    mixed = np.random.SeedSequence([seed, step, stream]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(mixed))
 
 
 def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os.PathLike,
           valid_tokens: str | os.PathLike, state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike,
-          tensorboard_dir: str | os.PathLike | None = None) -> list[Path]:
+          tensorboard_dir: str | os.PathLike | None = None, *, param_dtype: torch.dtype = torch.float32) -> list[Path]:
     """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
 
     Every check that can fail before training runs here, in the launching process, so that a bad
-    file or value is one clear error rather than one per rank.
+    file or value is one clear error rather than one per rank. `param_dtype` is the dtype of the
+    parameters and optimizer state (float32; float64 for exactness tests).
     """
     tokenizer = Tokenizer.load(tokenizer_path)
     vocab_size = len(tokenizer.vocab)
@@ -86,7 +103,7 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
         "config": weight_config(cfg),
     }
     t = cfg.train
-    check_devices(t.backend, t.world_size)
+    backend = resolve_backend(t.backend, t.world_size)
     # Under torchrun every process runs this function; only global rank 0 locks and publishes.
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     with state_lib.StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
@@ -94,25 +111,70 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
         if steps:
             manifest = state_lib.read_manifest(state_lib.step_dir(state_dir, steps[-1]) / state_lib.MANIFEST)
             state_lib.check_resumable(manifest, run, state_dir)
-            print(f"[pretrain] resuming from step {steps[-1]} in {state_dir}", file=sys.stderr)
+            note = ""
+            if manifest.get("world_size") != t.world_size:
+                note = (f" (written at world size {manifest.get('world_size')}, continued at {t.world_size}: the "
+                        f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)")
+            _log(is_rank0, f"resuming from step {steps[-1]} in {state_dir}{note}")
         args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
-                None if tensorboard_dir is None else str(tensorboard_dir))
-        launch(_train, args=args, world_size=t.world_size, backend=None if t.backend == "auto" else t.backend,
+                None if tensorboard_dir is None else str(tensorboard_dir), param_dtype)
+        launch(_train, args=args, world_size=t.world_size, backend=backend,
                threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
         return state_lib.publish(state_dir, checkpoint_dir) if is_rank0 else []
 
 
-def check_devices(backend: str, world_size: int) -> None:
-    """With nccl forced, one CUDA device per rank on this machine (torchrun spreads ranks itself)."""
-    if backend != "nccl" or "WORLD_SIZE" in os.environ:
-        return
+def resolve_backend(backend: str, world_size: int) -> str:
+    """The process-group backend for `train.backend`, checked against this machine's CUDA devices.
+
+    nccl needs one CUDA device per rank on this machine (under torchrun: per rank started here).
+    "auto" is nccl when there are enough devices and gloo on the CPU otherwise, said in one line when
+    GPUs exist but are too few, so that the default config runs (and reproduces its figures) anywhere.
+    A forced "nccl" with too few devices is refused before any process starts.
+    """
+    if backend == "gloo":
+        return "gloo"
     count = torch.cuda.device_count()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if backend == "nccl":
+        if count == 0:
+            raise ValueError("train.backend: 'nccl' needs CUDA devices, and none is available here "
+                             "(use 'auto' or 'gloo' on a CPU machine)")
+        if ranks_here > count:
+            raise ValueError(f"train.world_size: {ranks_here} ranks on this machine with train.backend 'nccl' "
+                             f"need {ranks_here} CUDA devices, but it has {count} (set train.world_size to "
+                             f"{count} or fewer, or use backend 'gloo')")
+        return "nccl"
     if count == 0:
-        raise ValueError("train.backend: 'nccl' needs CUDA devices, and none is available here "
-                         "(use 'auto' or 'gloo' on a CPU machine)")
-    if world_size > count:
-        raise ValueError(f"train.world_size: {world_size} ranks with train.backend 'nccl' need {world_size} "
-                         f"CUDA devices, but this machine has {count}")
+        return "gloo"
+    if ranks_here > count:
+        _log(int(os.environ.get("RANK", "0")) == 0,
+             f"train.world_size {ranks_here} is more ranks than this machine's {count} CUDA devices: "
+             f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)")
+        return "gloo"
+    return "nccl"
+
+
+def _log(enabled: bool, message: str) -> None:
+    if enabled:
+        print(f"[pretrain] {message}", file=sys.stderr, flush=True)
+
+
+def configure_kernels(device: torch.device, deterministic: bool) -> None:
+    """Deterministic kernels (bit-identical reruns on one machine) or the fastest ones.
+
+    Deterministic: torch.use_deterministic_algorithms(True), so an op without a deterministic
+    kernel is an error rather than a warning; the flash and memory-efficient attention backward then
+    run their deterministic variants, cuDNN attention (not covered by that switch) is turned off,
+    cuBLAS gets a fixed workspace, and float32 matmuls stay in full float32 (no TF32).
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS is first used
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_float32_matmul_precision("highest" if deterministic else "high")
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = not deterministic
+        torch.backends.cudnn.benchmark = not deterministic
+        torch.backends.cuda.enable_cudnn_sdp(not deterministic)
 
 
 def _seed_everything(seed: int) -> np.random.Generator:
@@ -122,142 +184,199 @@ def _seed_everything(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def _rng_state(np_rng: np.random.Generator) -> dict[str, Any]:
-    """Every RNG of this rank as plain types and tensors (loadable with weights_only=True)."""
+def _rng_state(np_rng: np.random.Generator, device: torch.device) -> dict[str, Any]:
+    """Every RNG of this rank as plain types and CPU tensors (loadable with weights_only=True)."""
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "numpy": np_rng.bit_generator.state,
         "python": [version, list(internal), gauss],
     }
 
 
-def _set_rng_state(saved: dict[str, Any], np_rng: np.random.Generator) -> None:
+def _set_rng_state(saved: dict[str, Any], np_rng: np.random.Generator, device: torch.device) -> None:
+    """Restore what _rng_state saved (the tensors must be on the CPU, as checkpoints are loaded)."""
     torch.set_rng_state(saved["torch"])
-    if saved["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], device)
     np_rng.bit_generator.state = saved["numpy"]
     version, internal, gauss = saved["python"]
     random.setstate((version, tuple(internal), gauss))
 
 
+def global_batch_starts(seed: int, step: int, batch_size: int, num_starts: int) -> torch.Tensor:
+    """Window starts of the global batch of update `step` (0-based): [batch_size], a function of (seed, step).
+
+    Rank r takes micro-batches r * grad_accum_steps ... (r + 1) * grad_accum_steps - 1 of it, each a
+    contiguous slice (see micro_batch_starts), so every world size and accumulation trains on the
+    very same tokens in every step.
+    """
+    return torch.randint(0, num_starts, (batch_size,), generator=batch_generator(seed, step))
+
+
+def micro_batch_starts(starts: torch.Tensor, rank: int, micro_step: int, world_size: int,
+                       grad_accum_steps: int) -> torch.Tensor:
+    """Rank `rank`'s micro-batch `micro_step` of the global batch `starts`."""
+    micro = len(starts) // (world_size * grad_accum_steps)
+    index = rank * grad_accum_steps + micro_step
+    return starts[index * micro:(index + 1) * micro]
+
+
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, tokens: np.ndarray, batch_size: int, context_length: int,
-                  num_batches: int, device: torch.device, generator: torch.Generator) -> float:
+                  num_batches: int, device: torch.device, generator: torch.Generator,
+                  dtype: torch.dtype = torch.float32) -> float:
     """Mean loss over `num_batches` random batches (a quick estimate; `evaluate` is the exact one)."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total = torch.zeros((), device=device)
     for _ in range(num_batches):
         x, y = get_batch(tokens, batch_size, context_length, device, generator=generator)
-        total += cross_entropy(model(x), y).item()
+        with autocast(device, dtype):
+            logits = model(x)
+        total += cross_entropy(logits, y)
     model.train(was_training)
-    return total / num_batches
+    return total.item() / num_batches
 
 
 def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], train_path: str,
-           valid_path: str, state_dir: str, tensorboard_dir: str | None) -> None:
+           valid_path: str, state_dir: str, tensorboard_dir: str | None, param_dtype: torch.dtype) -> None:
     """One rank's training loop."""
     t = cfg.train
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
-    distributed = world_size > 1
+    configure_kernels(device, t.deterministic)
     np_rng = _seed_everything(t.seed + rank)
-    # Deterministic kernels; cuBLAS needs a fixed workspace for that, set before its first use.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    dtype = resolve_dtype(t.dtype, device)  # the autocast dtype of the forward pass
 
     train_tokens = load_tokens(train_path)
     valid_tokens = load_tokens(valid_path)
     context_length = model_config["context_length"]
-    local_batch = t.batch_size // world_size
+    num_starts = num_window_starts(train_tokens, context_length)
+    accum = t.grad_accum_steps
+    micro_batch = t.batch_size // (world_size * accum)
 
-    model = Transformer(**model_config, device=device)
-    opt_kwargs = dict(lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-    if distributed:
-        ddp = DDP(model, bucket_size_mb=t.bucket_size_mb)
-        optimizer = ShardedOptimizer(model.parameters(), AdamW, **opt_kwargs) if t.shard_optimizer \
-            else AdamW(model.parameters(), **opt_kwargs)
+    # The parameters and AdamW state stay in param_dtype (float32); autocast lowers the forward only.
+    model = Transformer(**model_config, device=device, dtype=param_dtype)
+    groups = param_groups(model, t.weight_decay)
+    opt_kwargs = dict(lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps)
+    if world_size > 1 and t.shard_optimizer:
+        optimizer = ShardedOptimizer(groups, AdamW, **opt_kwargs)
     else:
-        ddp = None
-        optimizer = AdamW(model.parameters(), **opt_kwargs)
+        optimizer = AdamW(groups, **opt_kwargs)
+    # float16 needs loss scaling (its range is too small for small gradients); a disabled scaler
+    # is a no-op. Every rank sees the same averaged gradients, so every rank skips the same steps.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    # Our DDP around the (compiled) model; in a world of one it communicates nothing.
+    ddp = DDP(torch.compile(model) if t.compile else model, bucket_size_mb=t.bucket_size_mb)
 
     start = 0
     steps = state_lib.committed_steps(state_dir)
     if steps:
         folder = state_lib.step_dir(Path(state_dir), steps[-1])
-        payload, _ = state_lib.load_verified(folder / state_lib.CHECKPOINT, map_location=device)
+        # On the CPU first: RNG states must be CPU tensors, and optimizer.load_state_dict moves
+        # each moment beside its parameter while the step counters stay on the CPU.
+        payload, _ = state_lib.load_verified(folder / state_lib.CHECKPOINT, map_location="cpu")
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
-        _set_rng_state(payload["rng"][rank], np_rng)
+        scaler.load_state_dict(payload.get("grad_scaler") or {})
+        if len(payload["rng"]) == world_size:  # RNG streams are per rank: only the same world size
+            _set_rng_state(payload["rng"][rank], np_rng, device)
         start = int(payload["iteration"])
+    install_fault_hooks(ddp, rank, start, accum)  # test-only, does nothing unless TINYLM_FAULT is set
 
     writer = None
     if ctx.is_main and tensorboard_dir is not None:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=start)
-
+    log = ctx.is_main
     tokens_per_step = t.batch_size * context_length
-    t0, last_log_time, last_log_step = time.perf_counter(), time.perf_counter(), start
+    step_flops = flops_per_token(model_config) * tokens_per_step
+    peak = peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops)
+    t0 = last_log_time = time.perf_counter()
+    timed_from = last_log_step = start
     model.train()
     for it in range(start, t.max_iters):
-        poison = maybe_inject_fault(rank, it)  # test-only switch, see tinylm/parallel/launch.py
         # The schedule is indexed by the number of the update being made (1-based), so the first
         # update already has a non-zero learning rate and update max_iters reaches lr_min.
         lr = cos_lr_scheduler(it + 1, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        x, y = get_batch(train_tokens, local_batch, context_length, device, generator=batch_generator(t.seed, it, rank))
-        loss = cross_entropy(model(x), y)
-        if poison:
-            loss = loss * float("nan")
+        # Forward and backward over this rank's micro-batches; each micro-loss is divided by their
+        # number, so that the summed gradients are those of the mean loss over the rank's share.
+        starts = global_batch_starts(t.seed, it, t.batch_size, num_starts)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        global_loss = loss.detach().clone()
-        if distributed:
-            ddp.finish_gradient_sync()
-            dist.all_reduce(global_loss)
-            global_loss /= world_size
+        loss = torch.zeros((), device=device)
+        for m in range(accum):
+            x, y = get_windows(train_tokens, micro_batch_starts(starts, rank, m, world_size, accum),
+                               context_length, device)
+            with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
+                with autocast(device, dtype):
+                    logits = ddp(x)
+                micro_loss = cross_entropy(logits, y) / accum  # computed in float32
+                scaler.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+        ddp.finish_gradient_sync()  # every .grad is now the average over ranks
+        if world_size > 1:
+            dist.all_reduce(loss)
+            loss /= world_size
+        scaler.unscale_(optimizer)
         grad_norm = gradient_clip(model.parameters(), t.grad_clip)
-        # After the all-reduces every rank holds the same loss and gradients, so all ranks agree.
-        if not (math.isfinite(global_loss.item()) and math.isfinite(float(grad_norm))):
+        # The one host sync of the step. Every rank holds the same loss and gradients, so all agree.
+        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device)]).tolist()
+        overflow = scaler.is_enabled() and math.isfinite(loss_value) and not math.isfinite(norm_value)
+        if not overflow and not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise NonFiniteLossError(
-                f"step {it + 1}: loss {global_loss.item()} / gradient norm {float(grad_norm)} is not finite; "
+                f"step {it + 1}: loss {loss_value} / gradient norm {norm_value} is not finite; "
                 f"stopped before the update (last committed step: {(state_lib.committed_steps(state_dir) or [0])[-1]})"
             )
-        optimizer.step()
+        if not overflow:  # float16 overflow: skip this update; the scaler lowers its scale
+            optimizer.step()
+        scaler.update()
         step = it + 1
 
-        if ctx.is_main and (step % t.log_interval == 0 or step == t.max_iters):
+        if it == start and t.compile:
+            _log(log, f"torch.compile: the first step took {time.perf_counter() - t0:.1f} s (compilation included)")
+            t0 = last_log_time = time.perf_counter()
+            timed_from = last_log_step = step
+        if step % t.log_interval == 0 or step == t.max_iters:
             now = time.perf_counter()
             tok_s = (step - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9)
-            eta = (t.max_iters - step) * (now - t0) / (step - start)
-            print(f"[pretrain] step {step}/{t.max_iters} loss {global_loss.item():.4f} lr {lr:.2e} "
-                  f"{tok_s:,.0f} tok/s ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            eta = (t.max_iters - step) * (now - t0) / max(step - timed_from, 1)
+            utilisation = mfu(tok_s, step_flops / tokens_per_step, peak, world_size)
+            _log(log, f"step {step}/{t.max_iters} loss {loss_value:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s"
+                      + ("" if utilisation is None else f" MFU {100 * utilisation:.1f}%")
+                      + f" peak mem {peak_memory_mib(device):,.0f} MiB"
+                      + (f" loss scale {scaler.get_scale():g}" if scaler.is_enabled() else "")
+                      + f" ETA {eta:.0f}s")
             last_log_time, last_log_step = now, step
+        if overflow:
+            _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.get_scale():g}")
         if writer is not None:
-            writer.add_scalar("loss_train", global_loss.item(), step)
+            writer.add_scalar("loss_train", loss_value, step)
             writer.add_scalar("lr", lr, step)
+            writer.add_scalar("grad_norm", norm_value, step)
         if ctx.is_main and (step % t.val_interval == 0 or step == t.max_iters):
-            val = estimate_loss(model, valid_tokens, local_batch, context_length, t.val_batches, device,
-                                batch_generator(t.seed, step, 0, stream=1))
-            print(f"[pretrain] step {step} val_loss {val:.4f}", file=sys.stderr, flush=True)
+            val = estimate_loss(model, valid_tokens, micro_batch, context_length, t.val_batches, device,
+                                batch_generator(t.seed, step, stream=1), dtype)
+            _log(log, f"step {step} val_loss {val:.4f}")
             if writer is not None:
                 writer.add_scalar("val_loss", val, step)
 
         if step % t.checkpoint_interval == 0 or step == t.max_iters:
-            _commit(ctx, model, optimizer, step, tokens_per_step, np_rng, model_config, run, state_dir, t.keep_checkpoints)
+            _commit(ctx, model, optimizer, scaler, step, tokens_per_step, np_rng, model_config, run, state_dir,
+                    t.keep_checkpoints)
     if writer is not None:
         writer.close()
 
 
-def _commit(ctx, model, optimizer, step: int, tokens_per_step: int, np_rng, model_config, run, state_dir,
-            keep: int) -> None:
+def _commit(ctx, model, optimizer, scaler, step: int, tokens_per_step: int, np_rng, model_config, run,
+            state_dir, keep: int) -> None:
     """Collective: gather optimizer state and RNG states on rank 0, which commits the step."""
     optim_state = optimizer.state_dict()  # ShardedOptimizer consolidates (a collective on every rank)
-    rng = _rng_state(np_rng)
+    rng = _rng_state(np_rng, ctx.device)
     if ctx.world_size > 1:
         rngs = [None] * ctx.world_size
         dist.all_gather_object(rngs, rng)
@@ -271,6 +390,7 @@ def _commit(ctx, model, optimizer, step: int, tokens_per_step: int, np_rng, mode
             "tokens_seen": step * tokens_per_step,
             "model_config": model_config,
             "rng": rngs,
+            "grad_scaler": scaler.state_dict(),
         }
         state_lib.commit(state_dir, step, payload, manifest=dict(run), keep=keep)
     if ctx.world_size > 1:

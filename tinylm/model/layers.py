@@ -58,7 +58,7 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with a learned gain: x / sqrt(mean(x^2) + eps) * weight.
 
-    Computes in float32 whatever the input dtype, and returns the input dtype.
+    Computes in at least float32 (bf16 / fp16 inputs are upcast), and returns the input dtype.
     weight: [d_model], initialised to ones. forward: [..., d_model] -> [..., d_model].
     """
 
@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x * inv_rms * self.weight).to(in_dtype)
 

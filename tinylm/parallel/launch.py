@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 FAULT_ENV = "TINYLM_FAULT"
-FAULT_ACTIONS = ("raise", "exit", "kill", "hang", "nan")
+FAULT_ACTIONS = ("raise", "exit", "kill", "hang", "nan", "overflow")
 FAULT_EXIT_CODE = 17
 
 
@@ -235,22 +235,23 @@ def parse_fault(spec: str) -> tuple[int, int, str]:
     return int(fields["rank"]), int(fields["step"]), fields["action"]
 
 
-def maybe_inject_fault(rank: int, step: int) -> bool:
+def maybe_inject_fault(rank: int, step: int) -> str | None:
     """Test-only: fail on purpose when TINYLM_FAULT names this rank and step; otherwise do nothing.
 
     TINYLM_FAULT="rank=1,step=3,action=raise" makes rank 1 at step 3 raise a RuntimeError;
     action=exit ends the process with exit code 17 without cleanup, action=kill sends it SIGKILL,
-    action=hang sleeps forever (the peers then time out in their next collective). action=nan
-    returns True, asking the caller to make this step's loss NaN; every other call returns False.
+    action=hang sleeps forever (the peers then time out in their next collective). action=nan and
+    action=overflow return their name, asking the caller to poison this step (NaN outputs, or
+    gradients too large for float16); every other call returns None.
     """
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return False
+        return None
     fault_rank, fault_step, action = parse_fault(spec)
     if (rank, step) != (fault_rank, fault_step):
-        return False
-    if action == "nan":
-        return True
+        return None
+    if action in ("nan", "overflow"):
+        return action
     if action == "raise":
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} at step {step}")
     if action == "exit":

@@ -1,0 +1,117 @@
+"""What only a CUDA device can show; every test here skips on a machine without one.
+
+Run with the GPU bench as one prepared script: `bash bench/gpu_session.sh`. The CPU tests cover the
+same code paths wherever the CPU can run them.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny_config import write_tiny_config
+
+from tinylm.state import committed_steps, load_verified, step_dir
+from tinylm.throughput import peak_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pretrain(data: dict, config: Path, state: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TINYLM_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if fault:
+        env["TINYLM_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(data["tokenizer"]),
+         "--train-tokens", str(data["train"]), "--valid-tokens", str(data["valid"]), "--state-dir", str(state),
+         "--checkpoint-dir", str(state) + "_ckpt", "--tensorboard-dir", str(state) + "_tb"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )
+
+
+def final(state: Path) -> dict:
+    payload, _ = load_verified(step_dir(state, committed_steps(state)[-1]) / "checkpoint.pt")
+    return payload
+
+
+def test_bf16_compiled_training_on_one_gpu(tiny_data, tmp_path):
+    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1, "compile": True, "deterministic": False})
+    proc = pretrain(tiny_data, config, tmp_path / "state")
+    assert proc.returncode == 0, proc.stderr
+    assert "torch.compile: the first step took" in proc.stderr
+    assert "peak mem" in proc.stderr
+    if peak_flops(torch.device("cuda", 0), torch.bfloat16, tf32=True) is not None:
+        assert "MFU" in proc.stderr  # a GPU of the peak table
+    payload = final(tmp_path / "state")
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in payload["model"].values())
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in proc.stderr.splitlines() if "/12 loss" in line]
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_killed_and_resumed_cuda_run_is_bit_identical_under_deterministic(tiny_data, tmp_path):
+    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1, "dtype": "bfloat16"})
+    full = pretrain(tiny_data, config, tmp_path / "full")
+    assert full.returncode == 0, full.stderr
+    crashed = pretrain(tiny_data, config, tmp_path / "resumed", fault="rank=0,step=9,action=kill")
+    assert crashed.returncode != 0 and committed_steps(tmp_path / "resumed") == [4, 8]
+    resumed = pretrain(tiny_data, config, tmp_path / "resumed")  # the CUDA resume path: RNG states, moments
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = final(tmp_path / "full"), final(tmp_path / "resumed")
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for index, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+
+
+def test_device_count_rules_with_the_real_count():
+    from tinylm.training import resolve_backend
+
+    count = torch.cuda.device_count()
+    assert resolve_backend("auto", count) == "nccl"
+    assert resolve_backend("auto", count + 1) == "gloo"
+    with pytest.raises(ValueError, match=f"need {count + 1} CUDA devices, but it has {count}"):
+        resolve_backend("nccl", count + 1)
+
+
+def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
+    """torch's sync debug mode warns at every synchronizing call; count them over 10 and 20 steps."""
+    counts = []
+    for steps in (10, 20):
+        config = write_tiny_config(tmp_path / f"c{steps}.yaml", train={
+            "world_size": 1, "max_iters": steps, "checkpoint_interval": steps, "val_interval": steps,
+            "log_interval": 1000, "warmup_iters": 2})
+        script = textwrap.dedent(f"""
+            import warnings, torch
+            from tinylm.config import load_config
+            from tinylm.training import train
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                train(load_config({str(config)!r}), {str(tiny_data['tokenizer'])!r}, {str(tiny_data['train'])!r},
+                      {str(tiny_data['valid'])!r}, {str(tmp_path / f's{steps}')!r}, {str(tmp_path / f'k{steps}')!r})
+            print(sum("synchroniz" in str(w.message) for w in caught))
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        counts.append(int(proc.stdout.strip().splitlines()[-1]))
+    assert counts[1] - counts[0] <= 10, counts  # 10 more steps cost at most 10 more syncs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nccl_ddp_and_sharded_optimizer_match_one_gpu(tiny_data, tmp_path):
+    losses = {}
+    for world_size in (1, 2):
+        config = write_tiny_config(tmp_path / f"w{world_size}.yaml", train={
+            "world_size": world_size, "backend": "nccl", "dtype": "float32", "shard_optimizer": True})
+        proc = pretrain(tiny_data, config, tmp_path / f"s{world_size}")
+        assert proc.returncode == 0, proc.stderr
+        losses[world_size] = [line.split(" loss ")[1].split()[0] for line in proc.stderr.splitlines()
+                              if "/12 loss" in line]
+    assert len(losses[1]) == 12
+    assert all(abs(float(a) - float(b)) < 1e-4 for a, b in zip(losses[1], losses[2], strict=True))

@@ -1,0 +1,61 @@
+"""Model FLOPs per token against torch's own FLOP counter, the GPU peak table, MFU and peak memory."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy
+from tinylm.throughput import GPU_PEAK_FLOPS, flops_per_token, mfu, peak_flops
+
+
+@pytest.mark.parametrize("shape", [dict(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4,
+                                        d_ff=48),
+                                   dict(vocab_size=300, context_length=24, d_model=48, num_layers=1, num_heads=2,
+                                        d_ff=128)])
+def test_flops_per_token_equals_torch_flop_counter_over_a_training_step(shape):
+    model = Transformer(**shape)
+    model.set_fast_attention(False)  # explicit matmuls for the scores, which the counter sees as such
+    ids = torch.randint(0, shape["vocab_size"], (2, shape["context_length"] + 1))
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(model(ids[:, :-1]), ids[:, 1:]).backward()
+    tokens = 2 * shape["context_length"]
+    assert counter.get_total_flops() == flops_per_token(shape) * tokens
+
+
+def test_peak_flops_by_device_name_and_dtype(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(cuda, torch.bfloat16, tf32=False) == 989e12
+    assert peak_flops(cuda, torch.float32, tf32=True) == 494e12
+    assert peak_flops(cuda, torch.float32, tf32=False) == 67e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_flops(cuda, torch.float16, tf32=False) == 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    assert peak_flops(cuda, torch.bfloat16, tf32=True) is None  # no bf16 units
+    assert peak_flops(cuda, torch.float32, tf32=True) == 15.7e12  # no TF32 either: plain float32
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops(cuda, torch.bfloat16, tf32=False) is None
+    assert peak_flops(cuda, torch.bfloat16, tf32=False, override=5e14) == 5e14
+    assert peak_flops(torch.device("cpu"), torch.float32, tf32=False) is None
+    assert peak_flops(torch.device("cpu"), torch.float32, tf32=False, override=1e11) == 1e11
+    # More specific names come first, so that "H100 PCIe" is not read as an SXM H100.
+    names = [name for name, _ in GPU_PEAK_FLOPS]
+    assert names.index("H100 PCIe") < names.index("H100")
+
+
+def test_mfu_is_achieved_over_peak_of_all_devices():
+    assert mfu(1000.0, 2e9, 1e13, num_devices=2) == pytest.approx(0.1)
+    assert mfu(1000.0, 2e9, None, num_devices=1) is None
+
+
+def test_peak_memory_on_the_cpu_is_the_peak_rss():
+    # A fresh process touches and frees 1 GiB: the peak keeps it (less what was already resident).
+    script = ("import torch; from tinylm.throughput import peak_memory_mib as p; cpu = torch.device('cpu'); "
+              "before = p(cpu); block = torch.ones(2**28); del block; print(before, p(cpu))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    before, after = map(float, out.split())
+    assert 800 <= after - before <= 1100

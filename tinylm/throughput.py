@@ -1,0 +1,82 @@
+"""What a training log line reports besides the loss: tokens/s, model FLOPs utilisation, peak memory.
+
+MFU (model FLOPs utilisation) = achieved model FLOP/s / peak FLOP/s of the devices, where the model
+FLOPs of one token, forward and backward, are
+
+    6 * (weights of the matmuls)  +  12 * num_layers * d_model * context_length
+
+The first term is 2 FLOPs per weight per token forward and 4 backward (every weight but the embedding
+table, which is a lookup, and the RMSNorm gains, which are not matmuls); the second is the attention
+scores q k^T and their product with v (4 * T * d_model per token and layer forward, 3x that with
+backward), counted in full as is usual, although a causal kernel skips about half of it. Recomputation
+and optimizer work are not model FLOPs.
+
+Peak FLOP/s come from a small table of common GPUs (dense, no sparsity), per dtype: bfloat16 / float16
+tensor cores, TF32 tensor cores (float32 matmuls when TF32 is allowed) or plain float32. On the CPU, or
+a GPU not in the table, MFU is reported only when `train.peak_flops` gives the peak of one device.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+# name fragment (matched in torch.cuda.get_device_name, first match wins) -> peak FLOP/s of one
+# device, dense, from the vendors' data sheets, per matmul kind. None: the device has no such unit.
+GPU_PEAK_FLOPS: list[tuple[str, dict[str, float | None]]] = [
+    (name, dict(bfloat16=half, float16=half, tf32=tf32, float32=fp32))
+    for name, half, tf32, fp32 in [
+        ("B200", 2250e12, 1100e12, 80e12),
+        ("H200", 989e12, 494e12, 67e12),
+        ("H100 PCIe", 756e12, 378e12, 51e12),
+        ("H100", 989e12, 494e12, 67e12),
+        ("A100", 312e12, 156e12, 19.5e12),
+        ("L40S", 362e12, 183e12, 91.6e12),
+        ("L4", 121e12, 60e12, 30.3e12),
+        ("A10", 125e12, 62.5e12, 31.2e12),
+        ("RTX 4090", 165e12, 82.6e12, 82.6e12),
+        ("RTX 3090", 71e12, 35.6e12, 35.6e12),
+    ]
+] + [("V100", dict(bfloat16=None, float16=125e12, tf32=None, float32=15.7e12))]
+
+
+def flops_per_token(model_config: dict) -> float:
+    """Model FLOPs of one training token (forward + backward) at the full context; see the module doc."""
+    d, L, T = model_config["d_model"], model_config["num_layers"], model_config["context_length"]
+    matmul_weights = L * (4 * d * d + 3 * d * model_config["d_ff"]) + d * model_config["vocab_size"]
+    return 6.0 * matmul_weights + 12.0 * L * d * T
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool, override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for matmuls in `dtype` (None when unknown).
+
+    `override` (train.peak_flops) wins; otherwise CUDA devices are looked up in GPU_PEAK_FLOPS: the
+    bfloat16/float16 column for those dtypes, the TF32 column for float32 when TF32 is allowed, else
+    the float32 one. The CPU has no table entry.
+    """
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "tf32" if dtype == torch.float32 and tf32 else str(dtype).removeprefix("torch.")
+    for fragment, peaks in GPU_PEAK_FLOPS:
+        if fragment in name:
+            return peaks.get(kind) or (peaks["float32"] if dtype == torch.float32 else None)
+    return None
+
+
+def mfu(tokens_per_s: float, model_flops_per_token: float, peak_per_device: float | None,
+        num_devices: int) -> float | None:
+    """Model FLOPs utilisation in [0, 1] (None when the peak is unknown)."""
+    if peak_per_device is None:
+        return None
+    return tokens_per_s * model_flops_per_token / (peak_per_device * num_devices)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA memory allocated by torch, or on the CPU the peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
