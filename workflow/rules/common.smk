@@ -1,6 +1,58 @@
 import json
+from dataclasses import asdict
+
+from tinylm.config import DEFAULT_RUN, data_hash, run_hash
+
+# Where artifacts live. The main config is the run "default": its files are where they always were
+# (results/checkpoints, results/eval.csv, ...); a named run r writes results/runs/r/... instead.
+# Data (corpus, tokenizer, token files) is shared by content: runs whose corpus and tokenizer
+# sections equal the main config's use results/corpus, results/tokenizer and results/tokens;
+# other data lives in results/data/<data hash>/. Rules match these prefixes with the wildcards
+# {run_dir} ("" or "runs/<name>/") and {data_dir} ("" or "data/<hash>/").
+wildcard_constraints:
+    run_dir=r"(runs/[A-Za-z0-9][A-Za-z0-9_.-]*/)?",
+    data_dir=r"(data/[0-9a-f]{16}/)?",
 
 
-def section_json(*names):
+def run_dir(run):
+    return "" if run == DEFAULT_RUN else f"runs/{run}/"
+
+
+def data_dir(cfg):
+    h = data_hash(cfg)
+    return "" if h == data_hash(RUNS[DEFAULT_RUN]) else f"data/{h}/"
+
+
+RUN_OF = {run_dir(run): run for run in RUNS}
+DATA_OF = {}  # data dir -> the config of the first run that uses it
+for _cfg in RUNS.values():
+    DATA_OF.setdefault(data_dir(_cfg), _cfg)
+
+
+def run_cfg(wildcards):
+    if wildcards.run_dir not in RUN_OF:
+        raise ValueError(f"results/{wildcards.run_dir}: no such run in the config (runs: {', '.join(RUNS)})")
+    return RUNS[RUN_OF[wildcards.run_dir]]
+
+
+def sections_json(cfg, *names):
     """The named config sections as JSON; editing any of them reruns the jobs that get them."""
-    return json.dumps({name: config.get(name, {}) for name in names}, sort_keys=True)
+    return json.dumps({name: asdict(getattr(cfg, name)) for name in names}, sort_keys=True)
+
+
+def run_json(*names):
+    return lambda wildcards: sections_json(run_cfg(wildcards), *names)
+
+
+def data_json(*names):
+    return lambda wildcards: sections_json(DATA_OF[wildcards.data_dir], *names)
+
+
+def data_file(path):
+    """A run's data file, e.g. data_file("tokens/train.npy"), as a rule input."""
+    return lambda wildcards: f"results/{data_dir(run_cfg(wildcards))}{path}"
+
+
+def workers(section):
+    """threads: of a data rule, from its num_workers (null: every core)."""
+    return lambda wildcards: getattr(DATA_OF[wildcards.data_dir], section).num_workers or workflow.cores

@@ -1,15 +1,15 @@
 rule corpus:
     output:
-        train="results/corpus/train.txt",
-        valid="results/corpus/valid.txt",
+        train="results/{data_dir}corpus/train.txt",
+        valid="results/{data_dir}corpus/valid.txt",
     params:
-        cfg=section_json("corpus"),
+        cfg=data_json("corpus"),
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/corpus.log",
+        "results/{data_dir}logs/corpus.log",
     benchmark:
-        "results/benchmarks/corpus.tsv"
+        "results/{data_dir}benchmarks/corpus.tsv"
     threads: 1
     resources:
         mem_mb=1000,

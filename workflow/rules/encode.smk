@@ -1,20 +1,20 @@
 rule encode:
     input:
-        tokenizer="results/tokenizer/tokenizer.json",
-        train="results/corpus/train.txt",
-        valid="results/corpus/valid.txt",
+        tokenizer="results/{data_dir}tokenizer/tokenizer.json",
+        train="results/{data_dir}corpus/train.txt",
+        valid="results/{data_dir}corpus/valid.txt",
     output:
-        train="results/tokens/train.npy",
-        valid="results/tokens/valid.npy",
+        train="results/{data_dir}tokens/train.npy",
+        valid="results/{data_dir}tokens/valid.npy",
     params:
-        cfg=section_json("tokenizer", "encode"),
+        cfg=data_json("tokenizer", "encode"),
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/encode.log",
+        "results/{data_dir}logs/encode.log",
     benchmark:
-        "results/benchmarks/encode.tsv"
-    threads: lambda wildcards: config["encode"].get("num_workers") or workflow.cores
+        "results/{data_dir}benchmarks/encode.tsv"
+    threads: workers("encode")
     resources:
         mem_mb=2000,
     shell:

@@ -1,20 +1,22 @@
 rule evaluate:
     input:
-        tokenizer="results/tokenizer/tokenizer.json",
-        checkpoints="results/checkpoints",
-        valid="results/tokens/valid.npy",
+        tokenizer=data_file("tokenizer/tokenizer.json"),
+        checkpoints="results/{run_dir}checkpoints",
+        valid=data_file("tokens/valid.npy"),
     output:
-        table=report("results/eval.csv", caption="../report/eval.rst", category="Evaluation"),
-        plot=report("results/eval.png", caption="../report/plot.rst", category="Evaluation"),
+        table=report("results/{run_dir}eval.csv", caption="../report/eval.rst", category="Evaluation",
+                     subcategory="{run_dir}"),
+        plot=report("results/{run_dir}eval.png", caption="../report/plot.rst", category="Evaluation",
+                    subcategory="{run_dir}"),
     params:
-        cfg=section_json("evaluate"),
+        cfg=run_json("evaluate"),
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/evaluate.log",
+        "results/{run_dir}logs/evaluate.log",
     benchmark:
-        "results/benchmarks/evaluate.tsv"
-    threads: config["evaluate"]["threads"]
+        "results/{run_dir}benchmarks/evaluate.tsv"
+    threads: lambda wildcards: run_cfg(wildcards).evaluate.threads
     resources:
         mem_mb=2000,
     shell:

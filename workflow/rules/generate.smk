@@ -1,21 +1,22 @@
 rule generate:
     input:
-        tokenizer="results/tokenizer/tokenizer.json",
-        checkpoints="results/checkpoints",
+        tokenizer=data_file("tokenizer/tokenizer.json"),
+        checkpoints="results/{run_dir}checkpoints",
         # The samples' header quotes the final exact validation loss, so `results/samples.txt`
         # (the README's target) runs every stage.
-        evaluation="results/eval.csv",
+        evaluation="results/{run_dir}eval.csv",
     output:
-        report("results/samples.txt", caption="../report/samples.rst", category="Samples"),
+        report("results/{run_dir}samples.txt", caption="../report/samples.rst", category="Samples",
+               subcategory="{run_dir}"),
     params:
-        cfg=section_json("generate"),
+        cfg=run_json("generate"),
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/generate.log",
+        "results/{run_dir}logs/generate.log",
     benchmark:
-        "results/benchmarks/generate.tsv"
-    threads: config["generate"]["threads"]
+        "results/{run_dir}benchmarks/generate.tsv"
+    threads: lambda wildcards: run_cfg(wildcards).generate.threads
     resources:
         mem_mb=2000,
     shell:

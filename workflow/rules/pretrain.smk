@@ -1,30 +1,30 @@
-# The resume state lives in results/state/<run hash>, outside the declared outputs: Snakemake
-# deletes declared outputs before a job runs and after it fails, so a killed run rerun with
-# `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
+# The resume state lives in results/{run_dir}state/<run hash>, outside the declared outputs:
+# Snakemake deletes declared outputs before a job runs and after it fails, so a killed run rerun
+# with `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
 # The progress lines go to the terminal as well as to the log (tee; Snakemake's bash runs with
 # pipefail, so a failed pretrain still fails the job).
 rule pretrain:
     input:
-        tokenizer="results/tokenizer/tokenizer.json",
-        train="results/tokens/train.npy",
-        valid="results/tokens/valid.npy",
+        tokenizer=data_file("tokenizer/tokenizer.json"),
+        train=data_file("tokens/train.npy"),
+        valid=data_file("tokens/valid.npy"),
     output:
-        directory("results/checkpoints"),
+        directory("results/{run_dir}checkpoints"),
     params:
-        cfg=section_json("corpus", "tokenizer", "model", "train"),
-        state_dir=f"results/state/{RUN}",
+        cfg=run_json("corpus", "tokenizer", "model", "train"),
+        state_dir=lambda wildcards: f"results/{wildcards.run_dir}state/{run_hash(run_cfg(wildcards))}",
         launcher=LAUNCHER,
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/pretrain.log",
+        "results/{run_dir}logs/pretrain.log",
     benchmark:
-        "results/benchmarks/pretrain.tsv"
-    threads: config["train"]["world_size"] * config["train"]["threads_per_rank"]
+        "results/{run_dir}benchmarks/pretrain.tsv"
+    threads: lambda wildcards: run_cfg(wildcards).train.world_size * run_cfg(wildcards).train.threads_per_rank
     resources:
         mem_mb=8000,
         runtime=120,
     shell:
         "{params.launcher} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
-        " --checkpoint-dir {output} --tensorboard-dir results/tensorboard 2>&1 | tee {log}"
+        " --checkpoint-dir {output} --tensorboard-dir results/{wildcards.run_dir}tensorboard 2>&1 | tee {log}"

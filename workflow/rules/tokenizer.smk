@@ -1,17 +1,17 @@
 rule train_tokenizer:
     input:
-        "results/corpus/train.txt",
+        "results/{data_dir}corpus/train.txt",
     output:
-        "results/tokenizer/tokenizer.json",
+        "results/{data_dir}tokenizer/tokenizer.json",
     params:
-        cfg=section_json("tokenizer"),
+        cfg=data_json("tokenizer"),
     conda:
         "../envs/tinylm.yaml"
     log:
-        "results/logs/train_tokenizer.log",
+        "results/{data_dir}logs/train_tokenizer.log",
     benchmark:
-        "results/benchmarks/train_tokenizer.tsv"
-    threads: lambda wildcards: config["tokenizer"].get("num_workers") or workflow.cores
+        "results/{data_dir}benchmarks/train_tokenizer.tsv"
+    threads: workers("tokenizer")
     resources:
         mem_mb=4000,
     shell:

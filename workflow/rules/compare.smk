@@ -1,0 +1,25 @@
+# Every run of the config side by side; `snakemake --cores all results/compare.csv` trains each run
+# (in parallel when cores allow: each pretrain job's threads are its world_size * threads_per_rank).
+COMPARED = [
+    {"name": run, "eval": f"results/{run_dir(run)}eval.csv", "checkpoints": f"results/{run_dir(run)}checkpoints",
+     "overrides": OVERRIDES[run]}
+    for run in RUNS
+]
+
+
+rule compare:
+    input:
+        evals=[run["eval"] for run in COMPARED],
+        checkpoints=[run["checkpoints"] for run in COMPARED],
+    output:
+        table=report("results/compare.csv", caption="../report/compare.rst", category="Comparison"),
+        plot=report("results/compare.png", caption="../report/compare.rst", category="Comparison"),
+    params:
+        runs=json.dumps(COMPARED, sort_keys=True),
+    conda:
+        "../envs/tinylm.yaml"
+    log:
+        "results/logs/compare.log",
+    threads: 1
+    shell:
+        "python -m tinylm compare --runs-json {params.runs:q} --output {output.table} --plot {output.plot} 2> {log}"
