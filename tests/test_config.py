@@ -148,3 +148,30 @@ def test_cli_reports_a_bad_config_and_exits_nonzero(tmp_path):
     assert proc.returncode == 1
     assert "train.batch_size: 15 is not divisible" in proc.stderr
     assert not (tmp_path / "t.txt").exists()
+
+
+def test_runs_are_the_main_config_with_their_overrides():
+    from tinylm.config import DEFAULT_RUN, run_configs, run_overrides
+
+    raw = raw_default()
+    raw["runs"] = {"lr3e-3": {"train.lr_max": 0.003}, "wide": {"model.d_model": 192, "model.d_ff": 512},
+                   "same": None}
+    runs = run_configs(raw)
+    assert list(runs) == [DEFAULT_RUN, "lr3e-3", "wide", "same"]
+    base = from_dict(raw_default())
+    assert runs[DEFAULT_RUN] == base and runs["same"] == base
+    assert runs["lr3e-3"].train.lr_max == 0.003 and runs["lr3e-3"].model == base.model
+    assert (runs["wide"].model.d_model, runs["wide"].model.d_ff) == (192, 512)
+    assert runs["wide"].train == base.train
+    assert run_overrides(raw)["wide"] == {"model.d_model": 192, "model.d_ff": 512}
+    # Cross-key rules hold per run: 4 heads of 48 dims is fine, 5 heads do not divide 192.
+    raw["runs"] = {"odd": {"model.d_model": 192, "model.num_heads": 5}}
+    with pytest.raises(ConfigError, match="runs.odd: model.num_heads: 5 does not divide"):
+        run_configs(raw)
+
+
+def test_a_duplicate_key_in_a_config_file_is_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  lr_max: 0.1\n  batch_size: 8\n  lr_max: 0.2\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 4: 'lr_max' is given twice"):
+        load_config(path)
