@@ -99,14 +99,15 @@ class CausalSelfAttention(nn.Module):
     def _attend_cached(self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int) -> torch.Tensor:
         """Attention of T new positions (qk [2, B, H, T, d_head], v) to themselves and the cached ones."""
         start, T = kv_cache.length, qk.shape[-2]
-        positions = torch.arange(start, start + T, device=qk.device)
         if self.rope is not None:
-            qk = self.rope(qk, positions)
+            qk = self.rope(qk, start=start)  # positions start .. start + T - 1
         q, k = qk.unbind(0)
         k, v = kv_cache.update(layer, k, v)  # positions 0 .. start + T - 1
         # New position p sees every cached position and the new ones up to itself. One new position
         # (the usual decoding step) sees everything: no mask at all.
-        mask = None if T == 1 else torch.arange(start + T, device=qk.device) <= positions[:, None]
+        mask = None
+        if T > 1:
+            mask = torch.arange(start + T, device=qk.device) <= torch.arange(start, start + T, device=qk.device)[:, None]
         if self.use_fast_attention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return scaled_dot_product_attention(q, k, v, mask=mask)
