@@ -121,15 +121,24 @@ def test_rope_rows_permuted_make_llamas_rotate_half_of_our_interleaved_pairs():
     torch.testing.assert_close(hf_rotated, ours_rotated[..., order], rtol=0, atol=1e-5)
 
 
-def test_export_is_byte_identical_on_rerun_and_replaces_an_old_folder(tiny_lm, exported, tmp_path):
+def test_the_cli_export_is_byte_identical_and_replaces_an_old_folder(tiny_lm, exported, tmp_path):
+    """A second export, by the CLI in another process, writes the same bytes."""
     out = tmp_path / "hf"
     out.mkdir()
     (out / "stale.txt").write_text("from an older export")
-    export_hf(tiny_lm["checkpoints"], tiny_lm["tokenizer"], out)
+    proc = export_cli(tiny_lm["checkpoints"], tiny_lm["tokenizer"], out)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[export] step {tiny_lm['step']} -> {out} (float32)" in proc.stderr
     assert {p.name for p in out.iterdir()} == FILES
     for name in FILES:
         assert (out / name).read_bytes() == (exported / name).read_bytes(), name
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left
+
+
+def export_cli(checkpoints: Path, tokenizer: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinylm", "export", "--tokenizer", str(tokenizer),
+                           "--checkpoint-dir", str(checkpoints), "--output", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 def test_bfloat16_export_loads_as_bfloat16_and_computes_our_rounded_model(tiny_lm, ours, tmp_path):
@@ -217,9 +226,7 @@ def test_the_cli_refuses_a_model_of_another_vocabulary(tiny_lm, tmp_path, out):
     torch.manual_seed(0)
     model = Transformer(vocab_size=400, context_length=8, d_model=8, num_layers=1, num_heads=2, d_ff=16)
     ckpt = publish(tmp_path, {"model": model.state_dict(), "model_config": model.config})
-    proc = subprocess.run([sys.executable, "-m", "tinylm", "export", "--tokenizer", str(tiny_lm["tokenizer"]),
-                           "--checkpoint-dir", str(ckpt), "--output", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = export_cli(ckpt, tiny_lm["tokenizer"], out)
     assert proc.returncode == 1
     assert "tinylm export: error: " in proc.stderr and "model vocabulary 400 differs from the tokenizer's 320" \
         in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
