@@ -43,3 +43,11 @@ def tiny_data(tmp_path_factory) -> dict:
         encode_corpus(tokenizer, folder / f"{split}.txt", folder / f"{split}.npy", num_workers=1)
     return {"tokenizer": tok_path, "train": folder / "train.npy", "valid": folder / "valid.npy"}
 
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory) -> dict:
+    """A tiny model briefly trained on multi-script text, its tokenizer and its published checkpoint."""
+    from _tiny_lm import build_tiny_lm
+
+    return build_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))

@@ -1,11 +1,33 @@
-"""Sampling: top-p keeps exactly the nucleus, temperature 0 is argmax, generation is seeded."""
+"""Sampling: top-p keeps exactly the nucleus, temperature 0 is argmax, generation is seeded, the KV-cache
+path gives the reference's ids, streamed text never splits a character."""
 
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinylm.generating import generate, sample_next, top_p_filter
+from tinylm.__main__ import main
+from tinylm.config import GenerateConfig
+from tinylm.generating import (
+    generate,
+    generate_reference,
+    load_model,
+    sample,
+    sample_next,
+    stream_generate,
+    stream_text,
+    top_p_filter,
+)
 from tinylm.model import Transformer
+from tinylm.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def nucleus_by_loop(probs: list[float], top_p: float) -> set[int]:
@@ -64,3 +86,146 @@ def test_generate_is_seeded_crops_context_and_stops_at_eos():
     eos = a[4]
     stopped = generate(model, [1, 2, 3], 30, 8, 1.0, 1.0, eos, torch.Generator().manual_seed(0))
     assert stopped == a[: a.index(eos) + 1]
+
+
+# ---------------------------------------------------------------- the KV-cache path
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (1.0, 0.8), (1.5, 1.0)])
+@pytest.mark.parametrize("prompt_len", [1, 5, 20])
+def test_cached_generation_gives_the_reference_ids(temperature, top_p, prompt_len):
+    """Same seed, same ids, through prefill, single steps and past context_length (and a prompt longer
+    than the context)."""
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=40, context_length=12, d_model=16, num_layers=2, num_heads=2, d_ff=32,
+                        rope_theta=100.0)
+    prompt = torch.randint(40, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    reference = generate_reference(model, prompt, 30, 12, temperature, top_p, None, torch.Generator().manual_seed(3))
+    cached = generate(model, prompt, 30, 12, temperature, top_p, None, torch.Generator().manual_seed(3))
+    assert cached == reference and len(cached) == 30  # prompt + 30 > 12: crossed the context
+
+
+def test_cached_generation_of_a_trained_model_and_eos(tiny_lm):
+    model, _ = load_model(tiny_lm["checkpoints"])
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    prompt = tokenizer.encode("the king said 日本語 ")
+    for eos, seed in ((None, 0), (tokenizer.special_ids["<|endoftext|>"], 6)):
+        args = (model, prompt, 90, model.context_length, 0.9, 0.95, eos)
+        reference = generate_reference(*args, torch.Generator().manual_seed(seed))
+        assert list(stream_generate(*args, torch.Generator().manual_seed(seed))) == reference
+        assert len(set(reference)) > 10  # the model does more than repeat itself
+    assert reference[-1] == eos and len(prompt) + len(reference) > 64  # stopped at eos, past the context
+
+
+# ---------------------------------------------------------------- streaming text
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Every byte its own token, no merges: each character of more than one byte spans tokens."""
+    return Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+
+
+def test_stream_text_yields_whole_characters_as_soon_as_they_are_complete():
+    tokenizer = byte_tokenizer()
+    text = "naïve 日本語 🙂👍🏽!"
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode("utf-8"))  # one id per byte
+    seen: list[tuple[int, str]] = []  # (number of ids consumed, text yielded then)
+    consumed = 0
+
+    def counting():
+        nonlocal consumed
+        for i in ids:
+            consumed += 1
+            yield i
+
+    for piece in stream_text(tokenizer, counting()):
+        seen.append((consumed, piece))
+    # one piece per character, each yielded with the id holding its last byte
+    assert [piece for _, piece in seen] == list(text)
+    ends = [len(text[: k + 1].encode("utf-8")) for k in range(len(text))]
+    assert [n for n, _ in seen] == ends
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 256), max_size=40))
+def test_stream_text_joined_is_decode_even_for_invalid_utf8(ids):
+    tokenizer = byte_tokenizer()
+    assert "".join(stream_text(tokenizer, ids)) == tokenizer.decode(ids)
+
+
+# ---------------------------------------------------------------- `sample`
+
+
+class RecordingStream(io.StringIO):
+    """A text stream that records each write and whether a flush followed it."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[str] = []
+        self.flushed: list[bool] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        self.flushed.append(False)
+        return super().write(text)
+
+    def flush(self) -> None:
+        if self.flushed:
+            self.flushed[-1] = True
+
+
+def partial_utf8(token: bytes) -> bool:
+    try:
+        token.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def test_sample_streams_whole_characters_and_draws_the_generate_ids(tiny_lm):
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    model, _ = load_model(tiny_lm["checkpoints"])
+    eos = tokenizer.special_ids["<|endoftext|>"]
+    gen = GenerateConfig(max_new_tokens=60, temperature=1.0, top_p=1.0, seed=0, threads=1)
+    prompt = "the king 🙂 "
+    out = RecordingStream()
+    ids = sample(gen, tiny_lm["checkpoints"], tiny_lm["tokenizer"], prompt, out)
+    assert ids == generate(model, tokenizer.encode(prompt), 60, 64, 1.0, 1.0, eos, torch.Generator().manual_seed(0))
+    text_ids = [i for i in ids if i != eos]
+    # Characters split over tokens were drawn, and still came out whole: the output is the one-shot
+    # decode (no U+FFFD), written piece by piece as stream_text yields it, each piece flushed.
+    assert sum(partial_utf8(tokenizer.vocab[i]) for i in text_ids) >= 3
+    assert "\ufffd" not in out.getvalue() and out.getvalue() == tokenizer.decode(text_ids)
+    assert out.writes == list(stream_text(tokenizer, text_ids)) and all(out.flushed)
+    assert len(out.writes) > 10
+
+
+def test_sample_cli_prints_the_completion(tiny_lm):
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    model, _ = load_model(tiny_lm["checkpoints"])
+    eos = tokenizer.special_ids["<|endoftext|>"]
+    common = ["--tokenizer", tiny_lm["tokenizer"], "--checkpoint-dir", tiny_lm["checkpoints"]]
+    proc = tinylm("sample", "--prompt", "привет мир", "--max-new-tokens", 40, "--temperature", 0.8,
+                  "--top-p", 0.9, "--seed", 7, *common)
+    assert proc.returncode == 0, proc.stderr
+    ids = generate(model, tokenizer.encode("привет мир"), 40, 64, 0.8, 0.9, eos, torch.Generator().manual_seed(7))
+    assert proc.stdout == tokenizer.decode([i for i in ids if i != eos]) + "\n"
+
+
+
+@pytest.mark.parametrize(("option", "message"), [(["--top-p", "0"], "--top-p: 0.0 is out of range"),
+                                                 (["--seed", "-1"], "--seed: -1 is out of range"),
+                                                 (["--step", "7"], "no published checkpoint of step 7")])
+def test_sample_cli_refuses_bad_options(tiny_lm, capsys, option, message):
+    argv = ["sample", "--prompt", "x", *option, "--tokenizer", str(tiny_lm["tokenizer"]),
+            "--checkpoint-dir", str(tiny_lm["checkpoints"])]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "tinylm sample: error: " in err and message in err, err
+
+
+def tinylm(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, text=True,
+                          encoding="utf-8", cwd=ROOT, env=env, timeout=300)

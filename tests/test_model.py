@@ -301,3 +301,34 @@ def test_model_runs_under_bfloat16_autocast():
     loss.backward()
     assert model.lm_head.weight.grad.dtype == torch.float32
     torch.testing.assert_close(logits.float(), model(ids), atol=0.1, rtol=0.1)
+
+
+# ---------------------------------------------------------------- the KV cache
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_kv_cache_gives_the_logits_of_the_full_forward(fast):
+    """Prefill, then one position at a time, then several at once: the logits of one full forward."""
+    model = tiny_model(rope_theta=100.0).eval()
+    model.set_fast_attention(fast)
+    T = TINY["context_length"]
+    ids = torch.randint(0, TINY["vocab_size"], (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(batch_size=2)
+        pieces, start = [], 0
+        for end in (5, 6, 7, 8, 13, T):  # 5 positions, three single ones, 5 at once, the rest
+            pieces.append(model(ids[:, start:end], kv_cache=cache))
+            start = end
+    assert cache.length == T
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="cached"):
+        model(ids[:, :1], kv_cache=cache)
+
+
+def test_training_forward_compiles_as_one_graph():
+    """forward(ids) without a cache has no branch the compiler cannot see through."""
+    model = tiny_model()
+    ids = torch.randint(0, TINY["vocab_size"], (2, TINY["context_length"]))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    torch.testing.assert_close(compiled(ids), model(ids))

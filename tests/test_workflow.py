@@ -118,7 +118,7 @@ def assert_same_checkpoints(a: Path, b: Path, steps=(20, 40)) -> None:
 def jobs_planned(workdir: Path) -> set[str]:
     """Rules a dry run would execute now."""
     out = snakemake(workdir, "results/samples.txt", "results/eval.csv", "--dry-run", "--quiet", "rules").stdout
-    rules = {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"}
+    rules = {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate", "export"}
     return {line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in rules}
 
 
@@ -178,6 +178,36 @@ def test_single_stages_rerun_by_hand(two_runs, tmp_path):
     assert "Report created" in report.stdout + report.stderr
     html = (tmp_path / "report.html").read_text(errors="replace")
     assert all(name in html for name in ("eval.csv", "eval.png", "samples.txt"))
+
+
+@pytest.mark.slow
+def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path):
+    """`results/hf` is built on request only, from the published checkpoints, by the export rule alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinylm.generating import load_model
+    from tinylm.tokenizer import Tokenizer
+
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    results = workdir / "results"
+    assert not (results / "hf").exists()  # not part of the default target
+    proc = snakemake(workdir, "results/hf", "--quiet", "rules")
+    out = proc.stdout + proc.stderr
+    assert {line.split()[0] for line in out.splitlines() if line.split()} & {"pretrain", "evaluate", "export"} \
+        == {"export"}
+    assert (results / "benchmarks" / "export.tsv").is_file()
+    hf_model = AutoModelForCausalLM.from_pretrained(results / "hf", local_files_only=True)
+    hf_tokenizer = AutoTokenizer.from_pretrained(results / "hf", local_files_only=True)
+    model, step = load_model(results / "checkpoints")
+    assert step == 40
+    tokenizer = Tokenizer.load(results / "tokenizer" / "tokenizer.json")
+    text = (results / "corpus" / "valid.txt").read_text()[:2000]
+    ids = tokenizer.encode(text)
+    assert hf_tokenizer(text)["input_ids"] == ids
+    window = torch.tensor([ids[: model.context_length]])
+    with torch.no_grad():
+        assert (hf_model(window).logits - model(window)).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

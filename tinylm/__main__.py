@@ -82,6 +82,37 @@ def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
     write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
 
 
+# `sample`'s options and the generate keys they override.
+SAMPLE_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                  "seed": "--seed"}
+
+
+def cmd_sample(cfg: Config, a: argparse.Namespace) -> None:
+    from tinylm.generating import sample
+
+    raw = cfg.to_dict()
+    for key in SAMPLE_OPTIONS:
+        value = getattr(a, key)
+        if value is not None:
+            raw["generate"][key] = value
+    try:
+        gen = from_dict(raw).generate
+    except ConfigError as e:  # name the option, not the config key it overrides
+        key = str(e).split(":", 1)[0].removeprefix("generate.")
+        raise ConfigError(f"{SAMPLE_OPTIONS.get(key, key)}: {str(e).split(': ', 1)[1]}") from None
+    sample(gen, a.checkpoint_dir, a.tokenizer, a.prompt, sys.stdout, a.step)
+    sys.stdout.write("\n")
+
+
+def cmd_export(cfg: Config, a: argparse.Namespace) -> None:
+    import torch
+
+    from tinylm.export import export_hf
+
+    torch.set_num_threads(cfg.export.threads)
+    export_hf(a.checkpoint_dir, a.tokenizer, a.output, cfg.export.step, cfg.export.dtype)
+
+
 def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
 
@@ -92,8 +123,6 @@ def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
     table = compare_runs(runs)
     write_compare(table, a.output, a.plot)
     print(markdown_table(final_figures(table)), file=sys.stderr)
-
-
 def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.config import json_schema
     from tinylm.io import atomic_write_text
@@ -147,6 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
+
+    p = stage("sample", cmd_sample, "stream the completion of --prompt from a checkpoint to stdout")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens of the config")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: generate.temperature)")
+    p.add_argument("--top-p", type=float, help="nucleus threshold (default: generate.top_p)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+
+    p = stage("export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)")
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--output", default=f"{R}/hf")
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
     p.add_argument("--runs-json", required=True,

@@ -142,6 +142,15 @@ class GenerateConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Hugging Face export of a checkpoint (stage `export`, not part of the default target)."""
+
+    step: int | None = field(default=None, metadata=_range(0))
+    dtype: str = field(default="float32", metadata=_range(choices=["float32", "bfloat16", "float16"]))
+    threads: int = field(default=2, metadata=_range(1))
+
+
+@dataclass
 class Config:
     """The whole config: one section per stage."""
 
@@ -152,6 +161,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

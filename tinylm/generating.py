@@ -1,14 +1,27 @@
-"""Sampling text from a trained model: temperature, top-p (nucleus) and a seeded generator."""
+"""Sampling text from a trained model: temperature, top-p (nucleus), a seeded generator, a KV cache.
+
+Two generation paths give the same ids for the same generator:
+- `generate_reference`, the oracle: the whole (cropped) context is run through the model for every
+  new token;
+- `stream_generate` / `generate`, the fast path: the prompt is run once and each new token is one
+  more position, with the keys and values of the earlier ones kept in a KVCache.
+`stream_text` turns ids into text as they come, never splitting a UTF-8 character.
+"""
 
 from __future__ import annotations
 
+import codecs
+import inspect
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import pandas as pd
 import torch
 
 from tinylm import state as state_lib
+from tinylm.checkpoint import CheckpointError
 from tinylm.io import atomic_write_text
 from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
@@ -40,13 +53,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, context_length: int,
-             temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
-    """Extend `prompt_ids` by up to `max_new_tokens` sampled ids; returns only the new ids.
+def generate_reference(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, context_length: int,
+                       temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+                       generator: torch.Generator | None = None) -> list[int]:
+    """The oracle: recompute the whole context for every new id; returns only the new ids.
 
-    The context is cropped to the last `context_length` ids. Generation stops after `eos_id`
-    (which is included in the result) or after `max_new_tokens`.
+    The context is the last `context_length` ids, at positions 0 .. len - 1. Generation stops after
+    `eos_id` (which is included in the result) or after `max_new_tokens`.
     """
     if not prompt_ids:
         raise ValueError("generate: the prompt encodes to no tokens; give at least one character")
@@ -64,45 +77,136 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
     return new
 
 
-def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
-                  output_path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> str:
-    """Sample a completion for every configured prompt from the newest checkpoint; write them all.
+@torch.no_grad()
+def stream_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, context_length: int,
+                    temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+                    generator: torch.Generator | None = None) -> Iterator[int]:
+    """Yield the ids of `generate_reference`, one at a time, computing each with a KV cache.
 
-    The checkpoint is verified against its manifest and loaded with weights_only=True; the model is
-    rebuilt from the config stored in it. One generator seeded with `gen_cfg.seed` draws every
-    sample, so the file is reproducible. With `eval_path` (eval.csv) the header quotes the
-    checkpoint's exact validation loss.
+    The prompt is run once (prefill), then each new id is one more position. Once the ids outgrow
+    `context_length`, the reference's rule holds: the last `context_length` ids at positions 0 ..
+    again, so every key changes and the window is recomputed for each further id (no cache).
+    The same `generator` draws the same ids as the reference.
+    """
+    if not prompt_ids:
+        raise ValueError("generate: the prompt encodes to no tokens; give at least one character")
+    model.eval()
+    device = next(model.parameters()).device
+    ids = list(prompt_ids)
+    cache = model.new_kv_cache(batch_size=1)
+    for _ in range(max_new_tokens):
+        if len(ids) > context_length:
+            logits = model(torch.tensor([ids[-context_length:]], dtype=torch.long, device=device))
+        else:  # the ids not yet in the cache: the whole prompt first, then the newest id
+            logits = model(torch.tensor([ids[cache.length:]], dtype=torch.long, device=device), kv_cache=cache)
+        next_id = sample_next(logits[0, -1].cpu(), temperature, top_p, generator)
+        ids.append(next_id)
+        yield next_id
+        if next_id == eos_id:
+            return
+
+
+def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, context_length: int,
+             temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+             generator: torch.Generator | None = None) -> list[int]:
+    """The new ids (the KV-cache path of `stream_generate`); `eos_id`, if drawn, is the last one."""
+    return list(stream_generate(model, prompt_ids, max_new_tokens, context_length, temperature, top_p, eos_id,
+                                generator))
+
+
+def stream_text(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
+    """Decode `ids` as they come: yield text as soon as it holds whole UTF-8 characters.
+
+    A character whose bytes are split over several tokens comes out with the token that completes
+    it, never in halves; "".join(stream_text(tokenizer, ids)) == tokenizer.decode(ids).
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for i in ids:
+        try:
+            raw = tokenizer.vocab[i]
+        except KeyError:
+            raise ValueError(f"token id {i} is not in the vocabulary") from None
+        if text := decoder.decode(raw):
+            yield text
+    if text := decoder.decode(b"", final=True):
+        yield text
+
+
+def load_model(checkpoint_dir: str | os.PathLike, step: int | None = None,
+               device: str | torch.device = "cpu") -> tuple[Transformer, int]:
+    """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
+
+    The file is checked against its manifest and loaded with weights_only=True on the CPU; the
+    model is rebuilt from the config stored in it, then moved to `device`. A checkpoint without a
+    model config, or whose weights do not fit that config, is a CheckpointError naming the file.
     """
     steps = state_lib.published_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    path = Path(checkpoint_dir) / f"step_{steps[-1]}.pt"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    payload, _ = state_lib.load_verified(path, map_location=device)
-    tokenizer = Tokenizer.load(tokenizer_path)
-    config = payload["model_config"]
-    if config["vocab_size"] != len(tokenizer.vocab):
-        raise ValueError(f"{path}: model vocabulary {config['vocab_size']} differs from {tokenizer_path}'s "
-                         f"{len(tokenizer.vocab)}")
-    torch.set_num_threads(gen_cfg.threads)
-    model = Transformer(**config, device=device)
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"{checkpoint_dir}: no published checkpoint of step {step} (published: {steps})")
+    path = Path(checkpoint_dir) / f"step_{step}.pt"
+    payload, _ = state_lib.load_verified(path, map_location="cpu")
+    config = payload.get("model_config")
+    expected_keys = set(inspect.signature(Transformer).parameters) - {"device", "dtype"}
+    if not isinstance(config, dict) or set(config) != expected_keys:
+        raise CheckpointError(f"{path}: model_config {config!r} does not hold exactly the keys "
+                              f"{sorted(expected_keys)}")
+    try:
+        model = Transformer(**config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: model_config {config}: {e}") from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in payload["model"].items()}
+    if found != expected:
+        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        wrong = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
+        raise CheckpointError(f"{path}: its weights do not fit its model_config: missing {missing}, unexpected "
+                              f"{unexpected}, wrong shape {[(k, found[k], expected[k]) for k in wrong]}")
     model.load_state_dict(payload["model"])
+    return model.to(device), step
+
+
+def load_for_sampling(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
+                      step: int | None = None) -> tuple[Transformer, Tokenizer, int, int]:
+    """(model, tokenizer, step, id of <|endoftext|>) of a published checkpoint, on CUDA if there is one.
+
+    The model's vocabulary must be the tokenizer's, and the tokenizer must have <|endoftext|>.
+    """
+    tokenizer = Tokenizer.load(tokenizer_path)
+    model, step = load_model(checkpoint_dir, step, "cuda" if torch.cuda.is_available() else "cpu")
+    if model.vocab_size != len(tokenizer.vocab):
+        raise ValueError(f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} "
+                         f"differs from {tokenizer_path}'s {len(tokenizer.vocab)}")
     if "<|endoftext|>" not in tokenizer.special_ids:
         raise ValueError(f"{tokenizer_path}: has no <|endoftext|> special token to end samples with")
-    eos_id = tokenizer.special_ids["<|endoftext|>"]
+    return model, tokenizer, step, tokenizer.special_ids["<|endoftext|>"]
+
+
+def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
+                  output_path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> str:
+    """Sample a completion for every configured prompt from the newest checkpoint; write them all.
+
+    One generator seeded with `gen_cfg.seed` draws every sample, so the file is reproducible. With
+    `eval_path` (eval.csv) the header quotes the checkpoint's exact validation loss.
+    """
+    torch.set_num_threads(gen_cfg.threads)
+    model, tokenizer, step, eos_id = load_for_sampling(checkpoint_dir, tokenizer_path)
     generator = torch.Generator().manual_seed(gen_cfg.seed)
 
-    parts = [f"# tinylm samples: checkpoint step {steps[-1]}, temperature {gen_cfg.temperature}, "
+    parts = [f"# tinylm samples: checkpoint step {step}, temperature {gen_cfg.temperature}, "
              f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"]
     if eval_path is not None:
         rows = pd.read_csv(eval_path)
-        row = rows[rows["step"] == steps[-1]]
+        row = rows[rows["step"] == step]
         if row.empty:
-            raise ValueError(f"{eval_path}: has no row for step {steps[-1]}; rerun the evaluate stage")
+            raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")
         parts.append(f"# exact validation loss {row['val_loss'].iloc[0]:.4f} nats per token, "
                      f"{row['bits_per_byte'].iloc[0]:.4f} bits per byte\n")
     for i, prompt in enumerate(gen_cfg.prompts, start=1):
-        new = generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, config["context_length"],
+        new = generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, model.context_length,
                        gen_cfg.temperature, gen_cfg.top_p, eos_id, generator)
         ended = "stopped at <|endoftext|>" if new and new[-1] == eos_id else f"{len(new)} tokens"
         completion = tokenizer.decode([t for t in new if t != eos_id])
@@ -111,3 +215,30 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     text = "".join(parts)
     atomic_write_text(output_path, text)
     return text
+
+
+def sample(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike, prompt: str,
+           out: TextIO, step: int | None = None) -> list[int]:
+    """Write the completion of `prompt` to `out` as it is generated; return its ids.
+
+    `gen_cfg` gives max_new_tokens, temperature, top_p, seed and threads (the generate section,
+    with any overrides). Text is written (and flushed) whole UTF-8 characters at a time; the
+    completion stops at <|endoftext|>, which is not written. With the same settings, the ids are
+    those of the first sample of `write_samples` for this prompt.
+    """
+    torch.set_num_threads(gen_cfg.threads)
+    model, tokenizer, step, eos_id = load_for_sampling(checkpoint_dir, tokenizer_path, step)
+    generator = torch.Generator().manual_seed(gen_cfg.seed)
+    new: list[int] = []
+
+    def ids() -> Iterator[int]:
+        for i in stream_generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, model.context_length,
+                                 gen_cfg.temperature, gen_cfg.top_p, eos_id, generator):
+            new.append(i)
+            if i != eos_id:
+                yield i
+
+    for text in stream_text(tokenizer, ids()):
+        out.write(text)
+        out.flush()
+    return new

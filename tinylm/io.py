@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,36 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder next to `path`; rename it onto `path` if the block succeeds.
+
+    On success every file in it gets the usual permissions and is fsynced, and the folder is
+    renamed into place (a folder already at `path` is moved aside first, then deleted); on any
+    exception the temporary folder is removed and `path` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                file.chmod(0o666 & ~_umask())  # some writers make 0600 files
+                with open(file, "rb+") as f:
+                    os.fsync(f.fileno())
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
+        old = tmp.with_name(tmp.name + ".old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

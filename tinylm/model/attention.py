@@ -5,6 +5,10 @@ Two paths compute the same numbers:
   which materialises the whole [T, T] score matrix per head;
 - the default fast path, torch.nn.functional.scaled_dot_product_attention(is_causal=True), a fused
   kernel that never stores the score matrix and so saves both time and memory.
+
+With a KVCache (generation), the new positions' keys and values are appended to those of the
+positions before them, and the new queries attend to all of them; without one (training), nothing
+of this runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import Linear, RotaryEmbedding
 from tinylm.nn_utils import softmax
 
@@ -46,6 +51,8 @@ class CausalSelfAttention(nn.Module):
     three; its weight is the q, k and v weights stacked in that order). RoPE rotates q and k per head.
     forward: x [B, T, d_model] -> [B, T, d_model].
     `use_fast_attention` picks the fused PyTorch kernel (default) or the reference path.
+    With `kv_cache`, x holds positions kv_cache.length .. kv_cache.length + T - 1, and this layer
+    (number `layer`) appends their keys and values to the cache.
     """
 
     def __init__(
@@ -68,20 +75,39 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = Linear(d_model, 3 * d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.d_head)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, num_heads, T, d_head]
         # split / unbind / squeeze rather than indexing: their backward copies gradients into
         # place without first filling a zero tensor the size of qkv.
         qk, v = qkv.split([2, 1])
-        if self.rope is not None:
-            qk = self.rope(qk)  # q and k rotated in one call, positions 0 .. T-1
-        q, k = qk.unbind(0)
         v = v.squeeze(0)
-        if self.use_fast_attention:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv_cache is not None:
+            out = self._attend_cached(qk, v, kv_cache, layer)
         else:
-            out = scaled_dot_product_attention(q, k, v, mask=causal_mask(T, device=x.device))
+            if self.rope is not None:
+                qk = self.rope(qk)  # q and k rotated in one call, positions 0 .. T-1
+            q, k = qk.unbind(0)
+            if self.use_fast_attention:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = scaled_dot_product_attention(q, k, v, mask=causal_mask(T, device=x.device))
         out = out.transpose(1, 2).reshape(B, T, self.d_model)  # heads side by side again
         return self.output_proj(out)
+
+    def _attend_cached(self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int) -> torch.Tensor:
+        """Attention of T new positions (qk [2, B, H, T, d_head], v) to themselves and the cached ones."""
+        start, T = kv_cache.length, qk.shape[-2]
+        if self.rope is not None:
+            qk = self.rope(qk, start=start)  # positions start .. start + T - 1
+        q, k = qk.unbind(0)
+        k, v = kv_cache.update(layer, k, v)  # positions 0 .. start + T - 1
+        # New position p sees every cached position and the new ones up to itself. One new position
+        # (the usual decoding step) sees everything: no mask at all.
+        mask = None
+        if T > 1:
+            mask = torch.arange(start + T, device=qk.device) <= torch.arange(start, start + T, device=qk.device)[:, None]
+        if self.use_fast_attention:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return scaled_dot_product_attention(q, k, v, mask=mask)

@@ -107,7 +107,8 @@ class RotaryEmbedding(nn.Module):
 
     cos and (-sin, sin) are precomputed per pair for positions 0 .. max_seq_len - 1, shape
     [max_seq_len, d_k], as non-persistent buffers (they follow .to(device) but are not saved).
-    forward: x [..., T, d_k] and optional token_positions [..., T] (default 0 .. T-1) -> [..., T, d_k].
+    forward: x [..., T, d_k] and optional token_positions [..., T] (default start .. start + T - 1)
+    -> [..., T, d_k].
     """
 
     def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None):
@@ -125,10 +126,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos.float(), persistent=False)
         self.register_buffer("sin", sin.float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         seq_len = x.shape[-2]
         if token_positions is None:
-            cos, sin = self.cos[:seq_len], self.sin[:seq_len]
+            cos, sin = self.cos[start : start + seq_len], self.sin[start : start + seq_len]
         else:
             cos, sin = self.cos[token_positions], self.sin[token_positions]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

@@ -4,6 +4,9 @@
 
 Each block is pre-norm: x = x + attn(ln1(x)); x = x + ffn(ln2(x)). Positions enter only through RoPE
 inside attention; the output head is not tied to the embeddings.
+
+For generation, `forward(ids, kv_cache=cache)` runs only the new positions and keeps the keys and
+values of the earlier ones in a KVCache (see kv_cache.py); training never passes one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 from torch import nn
 
 from tinylm.model.attention import CausalSelfAttention
+from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -33,8 +37,8 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), kv_cache, layer)
         return x + self.ffn(self.ln2(x))
 
 
@@ -42,7 +46,9 @@ class Transformer(nn.Module):
     """A decoder-only language model.
 
     forward: token ids [B, T] (any integer dtype, T <= context_length) -> logits [B, T, vocab_size],
-    where logits[:, t] predict the token after position t from positions 0 .. t only.
+    where logits[:, t] predict the token after position t from positions 0 .. t only. With
+    `kv_cache` (from `new_kv_cache`), the ids are the positions after the kv_cache.length cached
+    ones, and logits[:, t] see the cached positions too.
 
     `model.config` holds the constructor's numbers, so `Transformer(**model.config)` rebuilds the same
     architecture (e.g. from a checkpoint). One RotaryEmbedding (cos/sin cache) is shared by all layers.
@@ -84,7 +90,7 @@ class Transformer(nn.Module):
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         if token_ids.dim() != 2:
             raise ValueError(f"expected token ids of shape [batch, seq_len], got {tuple(token_ids.shape)}")
         seq_len = token_ids.shape[1]
@@ -92,10 +98,22 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's context_length {self.context_length}"
             )
+        if kv_cache is not None and kv_cache.length + seq_len > kv_cache.max_len:
+            raise ValueError(f"{kv_cache.length} cached and {seq_len} new positions exceed the cache's "
+                             f"{kv_cache.max_len} (the model's context_length)")
         x = self.token_embeddings(token_ids)
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.advance(seq_len)
         return self.lm_head(self.ln_final(x))
+
+    def new_kv_cache(self, batch_size: int = 1) -> KVCache:
+        """An empty cache for `batch_size` sequences of up to context_length positions."""
+        attn = self.layers[0].attn
+        weight = self.lm_head.weight
+        return KVCache(len(self.layers), batch_size, attn.num_heads, self.context_length, attn.d_head,
+                       device=weight.device, dtype=weight.dtype)
 
     def set_fast_attention(self, enabled: bool) -> None:
         """Switch every layer between the fused attention kernel (default) and the reference path."""
