@@ -1,4 +1,5 @@
-"""Committed checkpoints: manifest last, sha256 checked before parsing, hostile pickles refused."""
+"""Committed checkpoints: manifest last, every byte checked before use, hostile pickles refused,
+the disk a run keeps bounded."""
 
 import json
 import os
@@ -9,40 +10,107 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpoints import manifest_for
 
 from tinylm import state as state_lib
-from tinylm.state import CheckpointError, StateLock, check_resumable, commit, committed_steps, load_verified
+from tinylm.model import Transformer
+from tinylm.optim import AdamW
+from tinylm.state import (
+    FORMAT,
+    CheckpointError,
+    StateLock,
+    check_resumable,
+    commit,
+    committed_steps,
+    load_verified,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
 
 
 def payload(step: int) -> dict:
+    """A real full checkpoint: a small model after `step` AdamW updates, with two ranks' RNG states."""
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    optimizer = AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(4, 3, generator=g)}, "optimizer": {"state": {}, "param_groups": []},
-            "iteration": step, "model_config": {"d_model": 3}, "rng": [{"python": [3, [1, 2], None]}]}
+    for _ in range(step // 10):
+        tokens = torch.randint(0, CONFIG["vocab_size"], (2, 9), generator=g)
+        model(tokens[:, :-1]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": step,
+            "tokens_seen": 16 * step, "model_config": CONFIG,
+            "rng": [{"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}, {"torch": torch.zeros(4)}]}
 
 
 MANIFEST = {"world_size": 2, "threads_per_rank": 1, "seed": 0, "structural_hash": "abc",
             "tokenizer_sha256": "t" * 64, "config": {"train": {"max_iters": 10, "lr_max": 0.1}}}
 
 
-def test_commit_writes_manifest_last_and_keeps_the_last_two(tmp_path):
-    for step in (10, 20, 30):
+def assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_path):
+    for step in (10, 20, 30, 40):
         commit(tmp_path, step, payload(step), MANIFEST, keep=2)
-    assert committed_steps(tmp_path) == [20, 30]
-    manifest = json.loads((tmp_path / "step_0000030" / "manifest.json").read_text())
-    assert manifest["step"] == 30 and manifest["world_size"] == 2 and manifest["torch_version"] == torch.__version__
-    loaded, _ = load_verified(tmp_path / "step_0000030" / "checkpoint.pt")
-    assert torch.equal(loaded["model"]["w"], payload(30)["model"]["w"]) and loaded["iteration"] == 30
-    # Every committed step stays published, even those pruned from the resume state.
-    assert state_lib.published_steps(tmp_path / "published") == [10, 20, 30]
+    assert committed_steps(tmp_path) == [30, 40]
+    manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
+    assert manifest["step"] == 40 and manifest["format"] == FORMAT and manifest["torch_version"] == torch.__version__
+    assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
+
     out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
-    assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt"]
-    loaded, _ = load_verified(out[0])
-    assert torch.equal(loaded["model"]["w"], payload(10)["model"]["w"])
+    assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
+    # The newest is the seed's full format: a plain torch.load into a plain AdamW.
+    full = torch.load(out[-1], weights_only=True)
+    assert_same(full, payload(40))
+    model = Transformer(**full["model_config"])
+    model.load_state_dict(full["model"])
+    AdamW(model.parameters()).load_state_dict(full["optimizer"])
+    # Older steps keep what evaluation and generation need.
+    for path, step in zip(out[:-1], (10, 20, 30), strict=True):
+        weights, published = load_verified(path)
+        assert published["contents"] == "weights" and "optimizer" not in weights
+        expected = payload(step)
+        assert_same(weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")})
+
+    # The bytes kept: keep x (checkpoint.pt + weights.pt) + (published steps - keep) x weights.pt.
+    sizes = {}
+    for path in tmp_path.rglob("*.pt"):
+        sizes[path.stat().st_ino] = path.stat().st_size
+    full_size = (tmp_path / "step_0000040" / "checkpoint.pt").stat().st_size
+    weights_size = (tmp_path / "step_0000040" / "weights.pt").stat().st_size
+    assert sum(sizes.values()) == 2 * (full_size + weights_size) + (4 - 2) * weights_size
+    assert (tmp_path / "published" / "step_40.pt").samefile(tmp_path / "step_0000040" / "checkpoint.pt")
+    assert (tmp_path / "published" / "step_30.pt").samefile(tmp_path / "step_0000030" / "weights.pt")
 
 
-def test_a_folder_without_manifest_does_not_exist(tmp_path):
+def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
+    for step in (10, 20):
+        commit(tmp_path, step, payload(step), MANIFEST)
+    # As if a commit was killed after taking step 10's manifest away and before writing it again.
+    (tmp_path / "published" / "step_10.json").unlink()
+    (tmp_path / "published" / "step_10.pt").unlink()
+    assert state_lib.published_steps(tmp_path / "published") == [20]
+    out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
+    assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
+    assert load_verified(out[0])[1]["contents"] == "weights"
+
+
+def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it(tmp_path):
     commit(tmp_path, 10, payload(10), MANIFEST)
     half = tmp_path / "step_0000020"
     half.mkdir()
@@ -50,21 +118,49 @@ def test_a_folder_without_manifest_does_not_exist(tmp_path):
     assert committed_steps(tmp_path) == [10]
     with pytest.raises(CheckpointError, match="manifest not found"):
         load_verified(half / "checkpoint.pt")
+    commit(tmp_path, 30, payload(30), MANIFEST)
+    assert not half.exists()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip tensor", "flip pickle", "truncate"])
 def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
     commit(tmp_path, 10, payload(10), MANIFEST)
     path = tmp_path / "step_0000010" / "checkpoint.pt"
+    entry = json.loads((tmp_path / "step_0000010" / "manifest.json").read_text())["files"]["checkpoint.pt"]
     data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
+    if damage == "flip tensor":
+        offset, length, _ = max(entry["records"], key=lambda r: r[1])  # inside the largest tensor
+        data[offset + length // 2] ^= 0x01
+    elif damage == "flip pickle":
+        data[entry["other"][0][0] + 100] ^= 0x01
     else:
         data = data[: len(data) // 2]
     os.unlink(path)  # break the hard link to the published copy
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*sha256"):
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
         load_verified(path)
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
+        model = Transformer(**CONFIG)
+        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
+
+
+def _one_rank():
+    from tinylm.parallel import RankContext
+
+    return RankContext(0, 0, 1, torch.device("cpu"), None)
+
+
+def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
+    saved = payload(30)
+    commit(tmp_path, 30, saved, MANIFEST)
+    torch.manual_seed(1)
+    model = Transformer(**CONFIG)
+    optimizer = AdamW(model.parameters(), lr=0.5)
+    rest = state_lib.restore_step(_one_rank(), tmp_path, model, optimizer)
+    assert_same(model.state_dict(), saved["model"])
+    assert_same(optimizer.state_dict(), saved["optimizer"])
+    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
+    assert_same(rest, {key: saved[key] for key in ("iteration", "tokens_seen", "model_config", "rng")})
 
 
 class _Exploit:
@@ -82,8 +178,7 @@ def _hostile_checkpoint(folder: Path, marker: Path) -> Path:
     folder.mkdir(parents=True)
     path = folder / "checkpoint.pt"
     torch.save({"model": {}, "iteration": 1, "x": _Exploit(marker)}, path)
-    files = {"checkpoint.pt": state_lib.sha256_file(path)}
-    (folder / "manifest.json").write_text(json.dumps({**MANIFEST, "step": 1, "files": files}))
+    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **MANIFEST, step=1)))
     return path
 
 
@@ -94,6 +189,9 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="weights_only"):
         load_verified(path)
+    model = Transformer(**CONFIG)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
     assert not marker.exists()
     # The exploit is real: an unsafe load would have run it.
     with open(path, "rb") as f:
@@ -102,15 +200,18 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
 
 
 def test_resume_check_names_the_value_that_differs():
-    check_resumable(MANIFEST, dict(MANIFEST), "s")
+    saved = {**MANIFEST, "format": FORMAT}
+    check_resumable(saved, dict(MANIFEST), "s")
+    with pytest.raises(CheckpointError, match="format differs"):
+        check_resumable({**saved, "format": 1}, dict(MANIFEST), "s")
     with pytest.raises(CheckpointError, match="world_size differs.*2.*3"):
-        check_resumable(MANIFEST, {**MANIFEST, "world_size": 3}, "s")
+        check_resumable(saved, {**MANIFEST, "world_size": 3}, "s")
     with pytest.raises(CheckpointError, match="threads_per_rank differs"):
-        check_resumable(MANIFEST, {**MANIFEST, "threads_per_rank": 2}, "s")
+        check_resumable(saved, {**MANIFEST, "threads_per_rank": 2}, "s")
     with pytest.raises(CheckpointError, match="structural_hash differs"):
-        check_resumable(MANIFEST, {**MANIFEST, "structural_hash": "zzz"}, "s")
+        check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
     with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
-        check_resumable(MANIFEST, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
+        check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
 
 
 def test_lock_stops_a_second_trainer(tmp_path):
@@ -143,4 +244,3 @@ def test_every_torch_load_in_the_package_passes_weights_only_true():
             assert "weights_only=True" in text[match.end():i], f"{path}: torch.load without weights_only=True"
         assert "pickle.load" not in text, f"{path} uses pickle.load"
     assert calls >= 1
-

@@ -183,14 +183,10 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         optimizer = AdamW(model.parameters(), **opt_kwargs)
 
     start = 0
-    steps = state_lib.committed_steps(state_dir)
-    if steps:
-        folder = state_lib.step_dir(Path(state_dir), steps[-1])
-        payload, _ = state_lib.load_verified(folder / state_lib.CHECKPOINT, map_location=device)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        _set_rng_state(payload["rng"][rank], np_rng)
-        start = int(payload["iteration"])
+    restored = state_lib.restore_step(ctx, state_dir, model, optimizer)
+    if restored is not None:
+        _set_rng_state(restored["rng"][rank], np_rng)
+        start = int(restored["iteration"])
 
     writer = None
     if ctx.is_main and tensorboard_dir is not None:
@@ -255,23 +251,7 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
 
 def _commit(ctx, model, optimizer, step: int, tokens_per_step: int, np_rng, model_config, run, state_dir,
             keep: int) -> None:
-    """Collective: gather optimizer state and RNG states on rank 0, which commits the step."""
-    optim_state = optimizer.state_dict()  # ShardedOptimizer consolidates (a collective on every rank)
-    rng = _rng_state(np_rng)
-    if ctx.world_size > 1:
-        rngs = [None] * ctx.world_size
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
-    if ctx.is_main:
-        payload = {
-            "model": model.state_dict(),
-            "optimizer": optim_state,
-            "iteration": step,
-            "tokens_seen": step * tokens_per_step,
-            "model_config": model_config,
-            "rng": rngs,
-        }
-        state_lib.commit(state_dir, step, payload, manifest=dict(run), keep=keep)
-    if ctx.world_size > 1:
-        dist.barrier()
+    """Collective: every rank writes its part of step `step` (see tinylm/state.py); rank 0 commits it."""
+    state_lib.save_step(ctx, state_dir, step, model, optimizer, manifest=run, keep=keep,
+                        entries={"tokens_seen": step * tokens_per_step, "model_config": model_config},
+                        per_rank={"rng": _rng_state(np_rng)})

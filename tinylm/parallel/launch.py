@@ -53,7 +53,9 @@ class RankContext:
 
     rank: global rank in [0, world_size); local_rank: index of this process on its machine;
     device: where this rank's tensors live; backend: "gloo", "nccl", or None when no process group
-    was created (a single process run in place).
+    was created (a single process run in place); store: a key-value store shared by the ranks
+    (the rendezvous store, under the prefix "tinylm/"), None without a process group; timeout_s:
+    the collective timeout, also the bound on a rank that stops making progress.
     """
 
     rank: int
@@ -61,6 +63,8 @@ class RankContext:
     world_size: int
     device: torch.device
     backend: str | None
+    store: dist.Store | None = None
+    timeout_s: float = 300.0
 
     @property
     def is_main(self) -> bool:
@@ -136,7 +140,7 @@ def launch(
 
     if world_size == 1:
         torch.set_num_threads(threads_per_rank)
-        fn(RankContext(0, 0, 1, device_for(backend, 0), None), *args)
+        fn(RankContext(0, 0, 1, device_for(backend, 0), None, timeout_s=timeout_s), *args)
         return
 
     rendezvous_dir = None
@@ -173,14 +177,14 @@ def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank,
     device = device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    fn(RankContext(rank, local_rank, world_size, device, backend), *args)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The rendezvous store, made here rather than inside init_process_group, so that the ranks can
+    # also use it for waits that are not collectives (see tinylm/parallel/heartbeat.py).
+    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    ctx = RankContext(rank, local_rank, world_size, device, backend, dist.PrefixStore("tinylm/", store), timeout_s)
+    fn(ctx, *args)
     dist.barrier()
     dist.destroy_process_group()
 
