@@ -244,3 +244,122 @@ def test_every_torch_load_in_the_package_passes_weights_only_true():
             assert "weights_only=True" in text[match.end():i], f"{path}: torch.load without weights_only=True"
         assert "pickle.load" not in text, f"{path} uses pickle.load"
     assert calls >= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# save_step / restore_step with a ShardedOptimizer: another world size, no rank holding it all
+
+
+def _read_results(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def saved_at_world_two(tmp_path_factory):
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    folder = tmp_path_factory.mktemp("sharded")
+    launch(helpers.save_sharded, args=(str(folder / "state"), str(folder), 3), world_size=2, timeout_s=60)
+    return folder
+
+
+def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_its_share(saved_at_world_two):
+    import _parallel_helpers as helpers
+
+    state = saved_at_world_two / "state"
+    model, reference = helpers.make_trained(range(3), sharded=False)
+    out = state_lib.publish(state, saved_at_world_two / "checkpoints")
+    full = torch.load(out[-1], weights_only=True)  # the seed's format, plainly loaded
+    assert_same(full["model"], model.state_dict())
+    assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly
+    plain = helpers.make_toy(seed=0)
+    plain.load_state_dict(full["model"])
+    torch.optim.AdamW(helpers._param_groups(plain)).load_state_dict(full["optimizer"])
+    assert [entry["rank"] for entry in full["rng"]] == [0, 1] and full["tokens_seen"] == 60
+
+    ranks = _read_results(saved_at_world_two, 2)
+    entries = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]
+    tensor_bytes = sum(n for entry in entries.values() for _, n, _ in entry["records"])
+    assert sum(r["written"] for r in ranks) == tensor_bytes  # every tensor written once, by one rank
+    # Rank 1 wrote its own parameters (into checkpoint.pt and weights.pt) and its own state, nothing else.
+    assert ranks[1]["written"] == 2 * ranks[1]["owned_params"] + ranks[1]["owned_state"]
+    assert 0 < ranks[1]["owned_state"] < _state_bytes(reference)
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+
+
+def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_world_two, tmp_path):
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    state = saved_at_world_two / "state"
+    _, saved = helpers.make_trained(range(3), sharded=False)
+    reference_model, _ = helpers.make_trained(range(6), sharded=False)
+
+    launch(helpers.restore_sharded_and_continue, args=(str(state), str(tmp_path), 3, 3), world_size=3,
+           timeout_s=60)
+    resumed = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same(resumed, reference_model.state_dict())  # bit-identical: the same per-parameter math
+    entry = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]["checkpoint.pt"]
+    other = sum(n for _, n, _ in entry["other"])
+    model_bytes = sum(t.numel() * t.element_size() for t in reference_model.state_dict().values()) \
+        - reference_model.embed.weight.numel() * 8  # the tied head is one tensor in the file
+    rng = sum(n for _, n, _ in entry["records"]) - model_bytes - _state_bytes(saved)
+    for r in _read_results(tmp_path, 3):
+        # The model, this rank's own state at world size 3, and the small rest: never the whole state.
+        assert r["read"] == other + model_bytes + r["owned_state"] + rng
+        assert 0 < r["owned_state"] < _state_bytes(saved)
+
+    # One process with a plain AdamW reads the whole state (no launch: a world of one).
+    model, optimizer = helpers.make_trained([], seed=99, sharded=False)
+    rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
+    for step in range(3, 6):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 * (1 + step) / 10
+        x, y = helpers.global_batch(step, 4)
+        helpers.lm_loss(model, x, y, use_extra=True).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert rest["iteration"] == 3
+    assert_same(model.state_dict(), reference_model.state_dict())
+
+
+def test_a_checkpoint_slower_than_the_collective_timeout_still_commits(tmp_path):
+    """Rank 0 writes slowly (the usual case: it writes the most); rank 1 waits for it, beyond the timeout."""
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    timeout_s = 2.0
+    launch(helpers.checkpoint_with_a_slow_or_hung_rank,
+           args=(str(tmp_path / "state"), str(tmp_path), 0, 0.15), world_size=2, timeout_s=timeout_s)
+    results = _read_results(tmp_path, 2)
+    assert all(r["save_s"] > timeout_s for r in results)  # everyone waited longer than a collective may
+    assert all(r["sum"] == 2.0 for r in results)
+    assert committed_steps(tmp_path / "state") == [2]
+
+
+def test_a_rank_that_hangs_while_checkpointing_is_reported_within_the_timeout(tmp_path):
+    """Rank 1 stops in its first write; rank 0, waiting for it, reports it after train.timeout_s."""
+    import time
+
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import RankFailedError, launch
+
+    timeout_s = 2.0
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0 failed") as info:
+        launch(helpers.checkpoint_with_a_slow_or_hung_rank, args=(str(tmp_path / "state"), str(tmp_path), 1, -1),
+               world_size=2, timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s + 30
+    assert "rank 1 made no progress for 2 s" in str(info.value)
+    assert committed_steps(tmp_path / "state") == []
+    for r in range(2):  # no process of the job is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / f"pid{r}").read_text()), 0)
