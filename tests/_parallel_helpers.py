@@ -264,20 +264,28 @@ def ddp_no_sync_accumulates(ctx, out_dir: str) -> None:
 
 
 def ddp_of_compiled_model(ctx, out_dir: str) -> None:
-    """DDP around torch.compile(model) gives the gradients of DDP around the model, in the buckets."""
+    """DDP around torch.compile(model), with a ShardedOptimizer, trains as DDP around the model.
+
+    The gradients land in the buckets, and the parameters (views into the optimizer's flat
+    buffers, laid out before the first forward) stay what compiled code reads and the optimizer
+    writes.
+    """
     world, rank = ctx.world_size, ctx.rank
     model = make_toy(seed=9 + rank)
     plain = DDP(make_toy(seed=9 + rank), bucket_size_mb=1e-4)
     compiled = DDP(torch.compile(model), bucket_size_mb=1e-4)
-    for step in range(2):
-        for ddp in (plain, compiled):
-            for p in ddp.parameters():
-                p.grad = None
+    optimizers = [ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2) for ddp in (plain, compiled)]
+    for step in range(3):
+        for ddp, optimizer in zip((plain, compiled), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=True)
             x, y = global_batch(step, 2 * world)
             lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
             ddp.finish_gradient_sync()
         assert_grads_close(model, plain.module, f"step {step}")
         assert_grads_in_buckets(compiled, f"compiled, step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+        assert_params_close(model, plain.module, 1e-9, f"after step {step}")
     write_result(out_dir, rank, {"checked": True})
 
 

@@ -55,7 +55,7 @@ def test_no_sync_skips_communication_and_accumulates(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
-def test_ddp_of_a_compiled_model_gives_the_same_gradients(tmp_path):
+def test_ddp_of_a_compiled_model_with_a_sharded_optimizer_trains_like_the_plain_one(tmp_path):
     launch(helpers.ddp_of_compiled_model, args=(str(tmp_path),), world_size=2, timeout_s=120)
     assert all(r["checked"] for r in read_results(tmp_path, 2))
 

@@ -12,14 +12,17 @@
   "spawn"), so `fn` and `args` must be picklable: `fn` has to be a module-level function.
 
 Each rank gets `torch.set_num_threads(threads_per_rank)`, its device (`cuda:{local_rank % count}`
-with nccl, the CPU with gloo) and a process group whose collectives give up after `timeout_s`.
+with nccl, the CPU with gloo), a process group whose collectives give up after `timeout_s`, and
+`ctx.store`, the rendezvous store, for waits that are not collectives (long file I/O, see
+tinylm/parallel/heartbeat.py).
 Processes started here meet through a file in a fresh temporary folder, so two runs on one machine
 never collide; a MASTER_ADDR/MASTER_PORT passed in or set in the environment is used instead when
 given. A rank that finishes waits at a final barrier for the others before the group is destroyed.
 
 Failure: if any rank raises, exits non-zero or is killed, the remaining ranks are terminated and
 `launch` raises RankFailedError naming the failed rank and carrying its traceback. A rank that
-hangs outside a collective makes the others fail in their next collective after `timeout_s`, which
+hangs outside a collective makes the others fail in their next collective after `timeout_s` (or,
+while they wait for it through the store, once it has made no progress for `timeout_s`), which
 ends the job the same way. No process of the job is left running when `launch` returns or raises.
 
 `maybe_inject_fault(rank, step)` is a test-only switch driven by the TINYLM_FAULT variable, used
