@@ -443,6 +443,12 @@ def make_trained(steps, seed: int = 21, sharded: bool = True):
     groups = _param_groups(model)
     optimizer = (ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)) if sharded
                  else torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95)))
+    train_toy(model, optimizer, steps)
+    return model, optimizer
+
+
+def train_toy(model, optimizer, steps) -> None:
+    """Full-batch steps (the same on every rank) with the learning rate a function of the step."""
     for step in steps:
         for group in optimizer.param_groups:
             group["lr"] = 1e-2 * (1 + step) / 10
@@ -450,7 +456,6 @@ def make_trained(steps, seed: int = 21, sharded: bool = True):
         lm_loss(model, x, y, use_extra=True).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return model, optimizer
 
 
 class _ByteCounter:
@@ -523,13 +528,7 @@ def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, 
     assert [entry["rank"] for entry in rest["rng"]] == [0, 1]  # saved by two ranks
     assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
     owned_params, owned_state = own_share(model, optimizer, ctx.rank)
-    for step in range(steps, steps + more):
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-2 * (1 + step) / 10
-        x, y = global_batch(step, 4)
-        lm_loss(model, x, y, use_extra=True).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_toy(model, optimizer, range(steps, steps + more))
     if ctx.is_main:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out_dir, "params.pt"))
     write_result(out_dir, ctx.rank, {"read": read, "owned_params": owned_params, "owned_state": owned_state})

@@ -318,13 +318,7 @@ def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_wor
     # One process with a plain AdamW reads the whole state (no launch: a world of one).
     model, optimizer = helpers.make_trained([], seed=99, sharded=False)
     rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
-    for step in range(3, 6):
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-2 * (1 + step) / 10
-        x, y = helpers.global_batch(step, 4)
-        helpers.lm_loss(model, x, y, use_extra=True).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    helpers.train_toy(model, optimizer, range(3, 6))
     assert rest["iteration"] == 3
     assert_same(model.state_dict(), reference_model.state_dict())
 
