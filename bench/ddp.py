@@ -18,7 +18,10 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
    optimizer state bytes per rank, and the collectives one ShardedOptimizer / ZeroRedundancyOptimizer
    step issues (counted). A and B must end with the same parameters (checked).
 2. Memory during a step: each variant alone in a fresh pair of processes; the peak resident set
-   (VmHWM, reset after the first step) of each rank over the next steps.
+   (VmHWM, reset after the first step) of each rank over the next steps. glibc's mmap threshold is
+   pinned to 64 KiB (MALLOC_MMAP_THRESHOLD_) in the processes of parts 2 and 3, so that a freed
+   buffer leaves the resident set at once and the peaks count live memory, not what the allocator
+   happened to keep (its adaptive threshold otherwise moves the peaks by about 1 % from run to run).
 3. Memory while checkpointing (variant C): the rise of each rank's peak resident set over its
    resident set just before `save_step`, and during `restore_step` into a fresh model and
    optimizer in fresh processes; beside the same for the seed's way (every rank gathers the whole
@@ -360,6 +363,7 @@ def main() -> None:
         launch(run_step_times, args=(args, str(tmp / "two.json")), **common)
         launch(run_world_of_one, args=(args, str(tmp / "one.json")), world_size=1, backend="gloo",
                threads_per_rank=2)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc in each rank started now
         memory = {}
         for i, name in enumerate(VARIANTS):
             (tmp / f"mem{i}").mkdir()

@@ -163,6 +163,25 @@ def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
     assert_same(rest, {key: saved[key] for key in ("iteration", "tokens_seen", "model_config", "rng")})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_of_a_cuda_model_is_written_from_and_read_into_the_device(tmp_path):
+    """Tensors on the device travel through the host one piece at a time; `step` stays on the CPU."""
+    saved = payload(30)
+    model = Transformer(**CONFIG, device="cuda")
+    model.load_state_dict(saved["model"])
+    optimizer = AdamW(model.parameters())
+    optimizer.load_state_dict(saved["optimizer"])
+    on_device = {**saved, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    commit(tmp_path, 30, on_device, MANIFEST)
+    assert_same(torch.load(tmp_path / "step_0000030" / "checkpoint.pt", weights_only=True), saved)
+    fresh = Transformer(**CONFIG, device="cuda")
+    fresh_optimizer = AdamW(fresh.parameters())
+    state_lib.restore_step(_one_rank(), tmp_path, fresh, fresh_optimizer)
+    assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, saved["model"])
+    for state in fresh_optimizer.state.values():
+        assert state["step"].device.type == "cpu" and state["exp_avg"].device.type == "cuda"
+
+
 class _Exploit:
     """Pickles into a call of os.system: loading it with plain pickle would run a command."""
 
