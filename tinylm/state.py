@@ -138,6 +138,7 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         gathered = [per_rank]
 
     # Who writes each tensor: a parameter's owner its weights and optimizer state, rank 0 the rest.
+    owners = [optimizer.owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
     owner_of_storage = {p.data_ptr(): optimizer.owner[p] for p in optimizer.owner} if sharded else {}
     model_writer = {name: owner_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
 
@@ -145,7 +146,7 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         if path[0] == "model":
             return model_writer[path[1]]
         if path[:2] == ("optimizer", "state") and sharded:
-            return optimizer.owner_of_index(path[2])
+            return owners[path[2]]  # the state of the parameter with this global index
         return 0
 
     checkpoint = {"model": model_state, "optimizer": optimizer_state, "iteration": int(step)}

@@ -96,8 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in self._params():
             runs.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
         self._flat = []
-        for (owner, dtype, device), params in sorted(runs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]),
-                                                                                    str(kv[0][2]))):
+        for (owner, dtype, device), params in runs.items():  # the same order on every rank
             align = max(1, _ALIGN_BYTES // params[0].element_size())
             offsets, numel = [], 0
             for p in params:
@@ -140,10 +139,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 handles.append(dist.broadcast(flat[start : start + bucket], src=owner, async_op=True))
         for handle in handles:
             handle.wait()
-
-    def owner_of_index(self, index: int) -> int:
-        """The rank that owns the parameter with this global index."""
-        return self.owner[self._params()[index]]
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Collective (metadata only): torch's state dict format, real tensors for this rank's state.
