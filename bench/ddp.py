@@ -1,21 +1,33 @@
-"""Benchmark: tinylm's DDP and ShardedOptimizer beside torch's DistributedDataParallel and
-ZeroRedundancyOptimizer, in one run, on the small model.
+"""Benchmark: tinylm's DDP, ShardedOptimizer and sharded checkpoints beside torch's
+DistributedDataParallel and ZeroRedundancyOptimizer, in one run, on the small model.
 
     python bench/ddp.py [--steps 10] [--warmup 3] [--batch-per-rank 4] [--out FILE]
 
-World size 2, one thread per rank, gloo, 25 MB buckets on both sides. Every rank holds four
-copies of the model, one per variant, starting from the same weights, and runs their steps
-interleaved (variant A step, B step, C step, D step, A step, ...) on the same batches, so that load
-from other processes on the machine hits all variants alike:
+World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
 
-    A  tinylm DDP + AdamW                  B  torch DDP + AdamW
-    C  tinylm DDP + ShardedOptimizer       D  torch DDP + ZeroRedundancyOptimizer
+1. Step time. Every rank holds four copies of the model, one per variant, starting from the same
+   weights, and runs their steps interleaved (A step, B step, C step, D step, A step, ...) on the
+   same batches, so that load from other processes on the machine hits all variants alike:
 
-A step is forward, backward, gradient sync, optimizer step, zero_grad. Reported: the median step
-time over the measured steps (and of its parts for tinylm: the time spent in
-finish_gradient_sync() is the all-reduce that backward could not hide), tokens per second,
-optimizer state bytes per rank. Then the same global batch on world size 1 with two threads
-(plain model + AdamW) for comparison. A and B must end with the same parameters (checked).
+       A  tinylm DDP + AdamW                  B  torch DDP + AdamW
+       C  tinylm DDP + ShardedOptimizer       D  torch DDP + ZeroRedundancyOptimizer
+
+   A step is forward, backward, gradient sync, optimizer step, zero_grad(set_to_none=True).
+   Reported: the median step time over the measured steps (for tinylm also the time spent in
+   finish_gradient_sync(), the all-reduce that backward could not hide), tokens per second,
+   optimizer state bytes per rank, and the collectives one ShardedOptimizer / ZeroRedundancyOptimizer
+   step issues (counted). A and B must end with the same parameters (checked).
+2. Memory during a step: each variant alone in a fresh pair of processes; the peak resident set
+   (VmHWM, reset after the first step) of each rank over the next steps. glibc's mmap threshold is
+   pinned to 64 KiB (MALLOC_MMAP_THRESHOLD_) in the processes of parts 2 and 3, so that a freed
+   buffer leaves the resident set at once and the peaks count live memory, not what the allocator
+   happened to keep (its adaptive threshold otherwise moves the peaks by about 1 % from run to run).
+3. Memory while checkpointing (variant C): the rise of each rank's peak resident set over its
+   resident set just before `save_step`, and during `restore_step` into a fresh model and
+   optimizer in fresh processes; beside the same for the seed's way (every rank gathers the whole
+   optimizer state with all_gather_object, rank 0 torch.saves and hashes it; every rank hashes and
+   torch.loads the whole file).
+4. The same global batch on world size 1 with two threads (plain model + AdamW) for comparison.
 """
 
 from __future__ import annotations
@@ -30,21 +42,44 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from tinylm import state as state_lib
+from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.parallel import DDP, ShardedOptimizer, launch
 
 SMALL = dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344)
 BUCKET_MB = 25.0
 LR = 1e-3
+VARIANTS = ("A tinylm DDP + AdamW", "B torch DDP + AdamW", "C tinylm DDP + ShardedOptimizer",
+            "D torch DDP + ZeroRedundancyOptimizer")
+MIB = 2**20
 
 
 def make_model() -> Transformer:
     torch.manual_seed(0)
     return Transformer(**SMALL)
+
+
+def make_variant(name: str):
+    """(wrapped model, optimizer, the call that completes the gradient sync) for one variant."""
+    if name.startswith(("A", "C")):
+        model = DDP(make_model(), BUCKET_MB)
+        finish = model.finish_gradient_sync
+    else:
+        model = DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_MB)
+        finish = lambda: None  # noqa: E731 - torch's DDP finishes inside backward
+    if name.startswith("A") or name.startswith("B"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    elif name.startswith("C"):
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, lr=LR)
+    else:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    return model, optimizer, finish
 
 
 def batch(step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +89,7 @@ def batch(step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def state_bytes(optimizer) -> int:
-    """Bytes of tensors in an optimizer's state (for ZeroRedundancyOptimizer: this rank's local share)."""
+    """Bytes of tensors in an optimizer's state (for the sharded ones: this rank's local share)."""
     state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
     return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
 
@@ -72,35 +107,37 @@ def timed_step(model, optimizer, finish, x, y) -> tuple[float, float]:
     return time.perf_counter() - start, after_finish - before_finish
 
 
-def run_world_of_two(ctx, args, out_path: str) -> None:
-    ours, theirs = (
-        DDP(make_model(), BUCKET_MB),
-        DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_MB),
-    )
-    ours_sh, theirs_zero = (
-        DDP(make_model(), BUCKET_MB),
-        DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_MB),
-    )
-    variants = {
-        "A tinylm DDP + AdamW": (
-            ours,
-            torch.optim.AdamW(ours.parameters(), lr=LR),
-            ours.finish_gradient_sync,
-        ),
-        "B torch DDP + AdamW": (theirs, torch.optim.AdamW(theirs.parameters(), lr=LR), lambda: None),
-        "C tinylm DDP + ShardedOptimizer": (
-            ours_sh,
-            ShardedOptimizer(ours_sh.parameters(), torch.optim.AdamW, lr=LR),
-            ours_sh.finish_gradient_sync,
-        ),
-        "D torch DDP + ZeroRedundancyOptimizer": (
-            theirs_zero,
-            ZeroRedundancyOptimizer(theirs_zero.parameters(), optimizer_class=torch.optim.AdamW, lr=LR),
-            lambda: None,
-        ),
-    }
+def count_collectives(fn) -> int:
+    """How many torch.distributed collectives (of the usual kinds) `fn()` issues."""
+    names = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "send", "recv", "isend", "irecv")
+    originals = {name: getattr(dist, name) for name in names}
+    calls = []
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return len(calls)
+
+
+# ---------------------------------------------------------------- 1. step time, interleaved
+
+
+def run_step_times(ctx, args, out_path: str) -> None:
+    variants = {name: make_variant(name) for name in VARIANTS}
     times = {name: [] for name in variants}
     finish_times = {name: [] for name in variants}
+    collectives = {}
     for step in range(args.warmup + args.steps):
         x, y = batch(step, ctx.rank, args.batch_per_rank)
         for name, (model, optimizer, finish) in variants.items():
@@ -108,22 +145,30 @@ def run_world_of_two(ctx, args, out_path: str) -> None:
             if step >= args.warmup:
                 times[name].append(seconds)
                 finish_times[name].append(finish_seconds)
+    for name in VARIANTS[2:]:  # one more optimizer step each, counted
+        model, optimizer, finish = variants[name]
+        x, y = batch(0, ctx.rank, args.batch_per_rank)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        finish()
+        collectives[name] = count_collectives(optimizer.step)
+        optimizer.zero_grad(set_to_none=True)
 
-    max_diff = max(
-        (a - b).abs().max().item()
-        for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True)
-    )
+    ours, theirs = variants[VARIANTS[0]][0], variants[VARIANTS[1]][0]
+    max_diff = max((a - b).abs().max().item()
+                   for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
     if ctx.is_main:
         result = {
             name: {
                 "step_s": statistics.median(times[name]),
                 "finish_s": statistics.median(finish_times[name]),
                 "optimizer_state_bytes": state_bytes(optimizer),
+                "collectives_per_optimizer_step": collectives.get(name),
             }
             for name, (_, optimizer, _) in variants.items()
         }
         result["max_param_diff_A_B"] = max_diff
         result["num_parameters"] = sum(p.numel() for p in ours.module.parameters())
+        result["num_parameter_tensors"] = len(list(ours.module.parameters()))
         Path(out_path).write_text(json.dumps(result))
 
 
@@ -142,52 +187,169 @@ def run_world_of_one(ctx, args, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def report(two: dict, one: dict, args, load_before, load_after) -> str:
+# ---------------------------------------------------------------- 2. and 3. memory
+
+
+def _status_mib(key: str) -> float:
+    """A field of /proc/self/status (VmRSS: resident now, VmHWM: peak since the last reset), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def _write_rank_result(out_dir: str, rank: int, result: dict) -> None:
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_step_memory(ctx, args, name: str, out_dir: str) -> None:
+    model, optimizer, finish = make_variant(name)
+    x, y = batch(0, ctx.rank, args.batch_per_rank)
+    timed_step(model, optimizer, finish, x, y)  # gradients, buckets and optimizer state now exist
+    _reset_peak()
+    for step in range(1, 3):
+        x, y = batch(step, ctx.rank, args.batch_per_rank)
+        timed_step(model, optimizer, finish, x, y)
+    _write_rank_result(out_dir, ctx.rank, {"peak_mib": _status_mib("VmHWM")})
+
+
+def _trained_c(args, ctx):
+    model, optimizer, finish = make_variant(VARIANTS[2])
+    for step in range(2):
+        x, y = batch(step, ctx.rank, args.batch_per_rank)
+        timed_step(model, optimizer, finish, x, y)
+    return model, optimizer
+
+
+def _seed_save(ctx, model, optimizer, path: Path) -> None:
+    """The seed's checkpoint (e5174b7): all_gather_object of every share, rank 0 saves and hashes."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {p: i for i, p in enumerate(params)}
+    local = {index[p]: {k: v.detach().to("cpu", copy=True) for k, v in s.items()}
+             for p, s in optimizer.local_optimizer.state.items()}
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, local)
+    state = {}
+    for rank_state in gathered:
+        state.update(rank_state)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    if ctx.is_main:
+        torch.save({"model": model.module.state_dict(), "optimizer": {"state": state, "param_groups": groups},
+                    "iteration": 2}, path)
+        sha256_file(path)
+    dist.barrier()
+
+
+def _seed_load(model, optimizer, path: Path) -> None:
+    sha256_file(path)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    model.module.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+
+
+def run_checkpoint_save(ctx, args, how: str, folder: str, out_dir: str) -> None:
+    model, optimizer = _trained_c(args, ctx)
+    before = _status_mib("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if how == "tinylm":
+        state_lib.save_step(ctx, folder, 2, model.module, optimizer, manifest={"bench": True})
+    else:
+        Path(folder).mkdir(exist_ok=True)
+        _seed_save(ctx, model, optimizer, Path(folder) / "seed.pt")
+    seconds = time.perf_counter() - start
+    params = [p for p in model.module.parameters() if optimizer.owner[p] == ctx.rank]
+    _write_rank_result(out_dir, ctx.rank, {
+        "before_mib": before, "peak_mib": _status_mib("VmHWM"), "seconds": seconds,
+        "model_mib": sum(p.numel() * p.element_size() for p in model.module.parameters()) / MIB,
+        "own_share_mib": state_bytes(optimizer) / MIB,
+        "owned_params_mib": sum(p.numel() * p.element_size() for p in params) / MIB})
+
+
+def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
+    model, optimizer, _ = make_variant(VARIANTS[2])
+    before = _status_mib("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if how == "tinylm":
+        state_lib.restore_step(ctx, folder, model.module, optimizer)
+    else:
+        _seed_load(model, optimizer, Path(folder) / "seed.pt")
+    seconds = time.perf_counter() - start
+    _write_rank_result(out_dir, ctx.rank, {"before_mib": before, "peak_mib": _status_mib("VmHWM"),
+                                           "seconds": seconds, "own_share_mib": state_bytes(optimizer) / MIB})
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _read_ranks(out_dir: Path) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def report(two: dict, one: dict, memory: dict, checkpoint: dict, args, load_before, load_after) -> str:
     tokens = 2 * args.batch_per_rank * SMALL["context_length"]
-    mib = 2**20
-    a, b = two["A tinylm DDP + AdamW"]["step_s"], two["B torch DDP + AdamW"]["step_s"]
+    a, b = two[VARIANTS[0]]["step_s"], two[VARIANTS[1]]["step_s"]
+    c, d = two[VARIANTS[2]]["step_s"], two[VARIANTS[3]]["step_s"]
     lines = [
-        f"Small model {SMALL}, {two['num_parameters']:,} parameters; global batch "
-        f"{2 * args.batch_per_rank} x {SMALL['context_length']} = {tokens} tokens per step; "
+        f"Small model {SMALL}, {two['num_parameters']:,} parameters in {two['num_parameter_tensors']} tensors; "
+        f"global batch {2 * args.batch_per_rank} x {SMALL['context_length']} = {tokens} tokens per step; "
         f"median of {args.steps} steps after {args.warmup} warm-up steps; bucket {BUCKET_MB} MB; gloo on CPU; "
         f"torch {torch.__version__}; load average before/after: {load_before} / {load_after}.",
         "",
-        "| setup | step (s) | tokens/s | finish_gradient_sync (s) | optimizer state per rank (MiB) |",
-        "|---|---|---|---|---|",
+        "| setup | step (s) | tokens/s | finish_gradient_sync (s) | optimizer state per rank (MiB) | "
+        "peak RSS per rank in a step (MiB, rank 0 / rank 1) |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, r in two.items():
-        if not isinstance(r, dict):
-            continue
+    for name in VARIANTS:
+        r = two[name]
         finish = f"{r['finish_s']:.3f}" if name.startswith(("A", "C")) else "(inside backward)"
-        lines.append(
-            f"| world 2 x 1 thread: {name} | {r['step_s']:.3f} | {tokens / r['step_s']:,.0f} | {finish} | "
-            f"{r['optimizer_state_bytes'] / mib:.1f} |"
-        )
-    lines.append(
-        f"| world 1 x {one['threads']} threads: model + AdamW | {one['step_s']:.3f} | "
-        f"{tokens / one['step_s']:,.0f} | - | {one['optimizer_state_bytes'] / mib:.1f} |"
-    )
-    c = two["C tinylm DDP + ShardedOptimizer"]
-    d = two["D torch DDP + ZeroRedundancyOptimizer"]
+        peaks = " / ".join(f"{m['peak_mib']:,.0f}" for m in memory[name])
+        lines.append(f"| world 2 x 1 thread: {name} | {r['step_s']:.3f} | {tokens / r['step_s']:,.0f} | {finish} | "
+                     f"{r['optimizer_state_bytes'] / MIB:.1f} | {peaks} |")
+    lines.append(f"| world 1 x {one['threads']} threads: model + AdamW | {one['step_s']:.3f} | "
+                 f"{tokens / one['step_s']:,.0f} | - | {one['optimizer_state_bytes'] / MIB:.1f} | - |")
+    peak = {name: max(m["peak_mib"] for m in memory[name]) for name in VARIANTS}
     lines += [
         "",
-        f"- tinylm DDP / torch DDP step time: **{a / b:.3f}x** (target <= 1.05x)",
-        f"- tinylm DDP + ShardedOptimizer / torch DDP + ZeroRedundancyOptimizer: {c['step_s'] / d['step_s']:.3f}x",
-        f"- ShardedOptimizer / AdamW step time (both with tinylm DDP): {c['step_s'] / a:.3f}x; state per rank "
-        f"{c['optimizer_state_bytes'] / mib:.1f} MiB instead of "
-        f"{two['A tinylm DDP + AdamW']['optimizer_state_bytes'] / mib:.1f} MiB",
-        f"- unhidden all-reduce (finish_gradient_sync) in tinylm DDP: {two['A tinylm DDP + AdamW']['finish_s'] / a:.1%} "
-        "of a step",
+        f"- tinylm DDP / torch DDP step time: **{a / b:.3f}x** (target <= 1.0x)",
+        f"- tinylm DDP + ShardedOptimizer / torch DDP + ZeroRedundancyOptimizer step time: **{c / d:.3f}x** "
+        "(target <= 1.0x)",
+        f"- peak RSS per rank in a step, tinylm DDP / torch DDP: **{peak[VARIANTS[0]] / peak[VARIANTS[1]]:.3f}x**; "
+        f"with the sharded optimizers: **{peak[VARIANTS[2]] / peak[VARIANTS[3]]:.3f}x** (target <= 1.0x)",
+        f"- collectives per optimizer step: ShardedOptimizer "
+        f"**{two[VARIANTS[2]]['collectives_per_optimizer_step']}**, ZeroRedundancyOptimizer "
+        f"{two[VARIANTS[3]]['collectives_per_optimizer_step']} (one broadcast per parameter tensor: "
+        f"{two['num_parameter_tensors']})",
+        f"- ShardedOptimizer / AdamW step time (both with tinylm DDP): {c / a:.3f}x; state per rank "
+        f"{two[VARIANTS[2]]['optimizer_state_bytes'] / MIB:.1f} MiB instead of "
+        f"{two[VARIANTS[0]]['optimizer_state_bytes'] / MIB:.1f} MiB",
+        f"- unhidden all-reduce (finish_gradient_sync) in tinylm DDP: {two[VARIANTS[0]]['finish_s'] / a:.1%} of a step",
         f"- world 2 x 1 thread (tinylm DDP) / world 1 x 2 threads step time: {a / one['step_s']:.3f}x",
         f"- largest parameter difference between A and B after all steps: {two['max_param_diff_A_B']:.2e}",
+        "",
+        "Checkpoint of variant C (model + ShardedOptimizer) after 2 steps. Rise = peak RSS during the "
+        "call minus RSS just before it (MiB).",
+        "",
+        "| checkpoint | rank | RSS before | peak during | rise | seconds | model | own optimizer share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for (how, op), ranks in checkpoint.items():
+        for rank, r in enumerate(ranks):
+            model = f"{r['model_mib']:.1f}" if "model_mib" in r else f"{checkpoint[(how, 'save')][rank]['model_mib']:.1f}"
+            lines.append(f"| {how} {op} | {rank} | {r['before_mib']:,.0f} | {r['peak_mib']:,.0f} | "
+                         f"{r['peak_mib'] - r['before_mib']:,.1f} | {r['seconds']:.2f} | {model} | "
+                         f"{r['own_share_mib']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-per-rank", type=int, default=4)
@@ -195,13 +357,29 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    common = dict(world_size=2, backend="gloo", threads_per_rank=1, timeout_s=600)
     with tempfile.TemporaryDirectory() as tmp:
-        two_path, one_path = os.path.join(tmp, "two.json"), os.path.join(tmp, "one.json")
-        launch(run_world_of_two, args=(args, two_path), world_size=2, backend="gloo", threads_per_rank=1)
-        launch(run_world_of_one, args=(args, one_path), world_size=1, backend="gloo", threads_per_rank=2)
-        two, one = json.loads(Path(two_path).read_text()), json.loads(Path(one_path).read_text())
+        tmp = Path(tmp)
+        launch(run_step_times, args=(args, str(tmp / "two.json")), **common)
+        launch(run_world_of_one, args=(args, str(tmp / "one.json")), world_size=1, backend="gloo",
+               threads_per_rank=2)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc in each rank started now
+        memory = {}
+        for i, name in enumerate(VARIANTS):
+            (tmp / f"mem{i}").mkdir()
+            launch(run_step_memory, args=(args, name, str(tmp / f"mem{i}")), **common)
+            memory[name] = _read_ranks(tmp / f"mem{i}")
+        checkpoint = {}
+        for how in ("tinylm", "seed"):
+            folder = tmp / f"ckpt-{how}"
+            for op, fn in (("save", run_checkpoint_save), ("load", run_checkpoint_load)):
+                out = tmp / f"{how}-{op}"
+                out.mkdir()
+                launch(fn, args=(args, how, str(folder), str(out)), **common)
+                checkpoint[(how, op)] = _read_ranks(out)
+        two, one = json.loads((tmp / "two.json").read_text()), json.loads((tmp / "one.json").read_text())
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = report(two, one, args, load_before, load_after)
+    text = report(two, one, memory, checkpoint, args, load_before, load_after)
     sys.stdout.write(text)
     if args.out is not None:
         args.out.write_text(text)

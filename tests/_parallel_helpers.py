@@ -96,6 +96,17 @@ def assert_grads_close(actual: nn.Module, expected: nn.Module, what: str) -> Non
         torch.testing.assert_close(a.grad, e.grad, rtol=1e-9, atol=1e-12, msg=f"{what}: grad of {name}")
 
 
+def assert_grads_in_buckets(ddp: DDP, what: str) -> None:
+    """Every gradient is a view into a bucket of `ddp`, and the buckets hold each gradient once."""
+    buffers = {bucket.buffer.untyped_storage().data_ptr() for bucket in ddp._buckets}
+    trainable = [p for p in ddp.module.parameters() if p.requires_grad]
+    for p in trainable:
+        if p.grad is not None:
+            assert p.grad.untyped_storage().data_ptr() in buffers, f"{what}: a gradient outside the buckets"
+    held = sum(bucket.grads.numel() for bucket in ddp._buckets)
+    assert held == sum(p.numel() for p in trainable), f"{what}: buckets hold {held} gradient elements"
+
+
 def write_result(out_dir: str, rank: int, result: dict) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -137,6 +148,7 @@ def ddp_matches_single_process(ctx, out_dir: str, bucket_sizes_mb: list[float]) 
                     lm_loss(reference, x, y).backward()
                 what = f"bucket {bucket_mb} MB, branch={branch}, step {step}"
                 assert_grads_close(ddp.module, reference, what)
+                assert_grads_in_buckets(ddp, what)
                 opt.step()
                 ref_opt.step()
                 opt.zero_grad()
@@ -204,11 +216,17 @@ def ddp_overlaps_backward(ctx, out_dir: str) -> None:
 
 
 def ddp_no_sync_accumulates(ctx, out_dir: str) -> None:
-    """Two no_sync micro-steps and one synced micro-step equal one step on the whole global batch."""
+    """Two no_sync micro-steps and one synced micro-step equal one step on the whole global batch.
+
+    Twice, with optimizer.zero_grad(set_to_none=True) before each step as a training loop does;
+    the accumulation happens in the buckets, and no_sync starts no communication.
+    """
     world, rank = ctx.world_size, ctx.rank
     micro = 3
     ddp = DDP(make_toy(seed=3 + rank), bucket_size_mb=1e-4)
     reference = make_toy(seed=3)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     calls = []
     original_all_reduce = dist.all_reduce
 
@@ -218,23 +236,57 @@ def ddp_no_sync_accumulates(ctx, out_dir: str) -> None:
 
     dist.all_reduce = counting_all_reduce
     try:
-        x, y = global_batch(0, 2 * world * micro)
-        chunks = list(zip(x.chunk(micro), y.chunk(micro), strict=True))
-        for i, (xc, yc) in enumerate(chunks):
-            loss = lm_loss(ddp, rank_slice(xc, rank, world), rank_slice(yc, rank, world)) / micro
-            if i < micro - 1:
-                with ddp.no_sync():
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            x, y = global_batch(step, 2 * world * micro)
+            chunks = list(zip(x.chunk(micro), y.chunk(micro), strict=True))
+            before = len(calls)
+            for i, (xc, yc) in enumerate(chunks):
+                loss = lm_loss(ddp, rank_slice(xc, rank, world), rank_slice(yc, rank, world)) / micro
+                if i < micro - 1:
+                    with ddp.no_sync():
+                        loss.backward()
+                        ddp.finish_gradient_sync()  # a no-op inside no_sync
+                    assert len(calls) == before, "no_sync must not communicate"
+                    assert_grads_in_buckets(ddp, f"step {step}, micro-step {i}")
+                else:
                     loss.backward()
-                    ddp.finish_gradient_sync()  # a no-op inside no_sync
-                assert not calls, "no_sync must not communicate"
-            else:
-                loss.backward()
-                ddp.finish_gradient_sync()
+                    ddp.finish_gradient_sync()
+            lm_loss(reference, x, y).backward()
+            assert_grads_close(ddp.module, reference, f"accumulated, step {step}")
+            assert_grads_in_buckets(ddp, f"step {step}")
+            opt.step()
+            ref_opt.step()
     finally:
         dist.all_reduce = original_all_reduce
-    lm_loss(reference, x, y).backward()
-    assert_grads_close(ddp.module, reference, "accumulated")
     write_result(out_dir, rank, {"all_reduces": len(calls)})
+
+
+def ddp_of_compiled_model(ctx, out_dir: str) -> None:
+    """DDP around torch.compile(model), with a ShardedOptimizer, trains as DDP around the model.
+
+    The gradients land in the buckets, and the parameters (views into the optimizer's flat
+    buffers, laid out before the first forward) stay what compiled code reads and the optimizer
+    writes.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    model = make_toy(seed=9 + rank)
+    plain = DDP(make_toy(seed=9 + rank), bucket_size_mb=1e-4)
+    compiled = DDP(torch.compile(model), bucket_size_mb=1e-4)
+    optimizers = [ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2) for ddp in (plain, compiled)]
+    for step in range(3):
+        for ddp, optimizer in zip((plain, compiled), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = global_batch(step, 2 * world)
+            lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+            ddp.finish_gradient_sync()
+        assert_grads_close(model, plain.module, f"step {step}")
+        assert_grads_in_buckets(compiled, f"compiled, step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+        assert_params_close(model, plain.module, 1e-9, f"after step {step}")
+    write_result(out_dir, rank, {"checked": True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,12 +320,13 @@ def _train(model, extra, opt, steps, add_extra_at=None):
         opt.zero_grad()
 
 
-def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str) -> None:
-    """ShardedOptimizer(AdamW) equals AdamW for 10 steps; its state is sharded and consolidates.
+def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str, bucket_mb: float) -> None:
+    """ShardedOptimizer(AdamW) equals AdamW for 11 steps; its state is sharded and consolidates.
 
-    Then the consolidated state dict must equal the plain optimizer's, survive torch.save/torch.load
-    with weights_only=True, load into a plain AdamW and into a fresh ShardedOptimizer, and all
-    three must continue training identically.
+    The parameters live in the owners' flat buffers, and a step broadcasts those in buckets (the
+    11th step counts them). Then the consolidated state dict must equal the plain optimizer's,
+    survive torch.save/torch.load with weights_only=True, load into a plain AdamW and into a fresh
+    ShardedOptimizer, and all three must continue training identically.
     """
     cls = optimizer_class(optimizer_name)
     world, rank = ctx.world_size, ctx.rank
@@ -281,16 +334,35 @@ def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str) -> None:
     extra = nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
     model, reference = make_toy(seed=5), make_toy(seed=5)
     ref_extra = nn.Parameter(extra.detach().clone())
-    opt = ShardedOptimizer(_param_groups(model), cls, lr=1e-2, betas=(0.9, 0.95))
+    opt = ShardedOptimizer(_param_groups(model), cls, bucket_size_mb=bucket_mb, lr=1e-2, betas=(0.9, 0.95))
     ref_opt = cls(_param_groups(reference), lr=1e-2, betas=(0.9, 0.95))
     for step in range(10):
         _train(model, extra, opt, [step], add_extra_at=4)
         _train(reference, ref_extra, ref_opt, [step], add_extra_at=4)
         assert_params_close(model, reference, 1e-6, f"step {step}")
         assert (extra - ref_extra).abs().max().item() <= 1e-6
+    all_params = [p for group in opt.param_groups for p in group["params"]]
+
+    # Communication: the parameters are views into the owners' flat buffers, which a step
+    # broadcasts in buckets of at most bucket_mb, one collective per bucket.
+    flats = {flat.untyped_storage().data_ptr() for _, flat in opt._flat}
+    assert all(p.untyped_storage().data_ptr() in flats for p in all_params)
+    broadcasts = []
+    original_broadcast = dist.broadcast
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        broadcasts.append(tensor.numel() * tensor.element_size())
+        return original_broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counting_broadcast
+    try:
+        _train(model, extra, opt, [10])
+    finally:
+        dist.broadcast = original_broadcast
+    _train(reference, ref_extra, ref_opt, [10])
+    assert_params_close(model, reference, 1e-6, "step 10")
 
     # Sharding: disjoint shares that cover everything, balanced by elements, state only for the share.
-    all_params = [p for group in opt.param_groups for p in group["params"]]
     index = {p: i for i, p in enumerate(all_params)}
     owned = sorted(index[p] for group in opt.local_optimizer.param_groups for p in group["params"])
     shares: list[list[int]] = [[] for _ in range(world)]
@@ -328,7 +400,7 @@ def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str) -> None:
         [*_param_groups(resharded_model), {"params": [resharded_extra]}], cls, lr=0.0, betas=(0.5, 0.5)
     )
     resharded_opt.load_state_dict(copy.deepcopy(full))
-    for step in range(10, 13):
+    for step in range(11, 14):
         _train(model, extra, opt, [step])
         _train(plain_model, plain_extra, plain_opt, [step])
         _train(resharded_model, resharded_extra, resharded_opt, [step])
@@ -344,6 +416,9 @@ def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str) -> None:
             "state_elements": state_elements,
             "total_elements": sum(p.numel() for p in all_params),
             "largest": max(p.numel() for p in all_params),
+            "broadcasts": broadcasts,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in all_params),
+            "num_parameters": len(all_params),
         },
     )
 
@@ -356,6 +431,135 @@ def sharded_balances(ctx, out_dir: str, sizes: list[int]) -> None:
     local = [p for group in opt.local_optimizer.param_groups for p in group["params"]]
     assert [params[i] for i in owned] == local
     write_result(out_dir, ctx.rank, {"owned": owned, "elements": sum(sizes[i] for i in owned)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Committed states: save_step / restore_step across world sizes, and waits that are not collectives
+
+
+def make_trained(steps, seed: int = 21, sharded: bool = True):
+    """The toy model and its optimizer (two groups, AdamW) after `steps` full-batch steps."""
+    model = make_toy(seed=seed)
+    groups = _param_groups(model)
+    optimizer = (ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)) if sharded
+                 else torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95)))
+    train_toy(model, optimizer, steps)
+    return model, optimizer
+
+
+def train_toy(model, optimizer, steps) -> None:
+    """Full-batch steps (the same on every rank) with the learning rate a function of the step."""
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 * (1 + step) / 10
+        x, y = global_batch(step, 4)
+        lm_loss(model, x, y, use_extra=True).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class _ByteCounter:
+    """Counts the bytes this process writes with os.pwrite and reads with os.pread / os.preadv."""
+
+    def __init__(self):
+        self.written = self.read = 0
+        self._pwrite, self._pread, self._preadv = os.pwrite, os.pread, os.preadv
+        os.pwrite, os.pread, os.preadv = self.pwrite, self.pread, self.preadv
+
+    def pwrite(self, fd, data, offset):
+        n = self._pwrite(fd, data, offset)
+        self.written += n
+        return n
+
+    def pread(self, fd, n, offset):
+        data = self._pread(fd, n, offset)
+        self.read += len(data)
+        return data
+
+    def preadv(self, fd, buffers, offset):
+        n = self._preadv(fd, buffers, offset)
+        self.read += n
+        return n
+
+
+def _tensor_bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def own_share(model, optimizer, rank):
+    """(bytes of the parameters this rank owns, bytes of its optimizer state)."""
+    params = [p for p in model.parameters() if optimizer.owner.get(p) == rank]
+    return sum(p.numel() * p.element_size() for p in params), _tensor_bytes(dict(optimizer.state))
+
+
+def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
+    """Train `steps` steps with ShardedOptimizer, then save_step; report what each rank wrote."""
+    from tinylm.state import save_step
+
+    model, optimizer = make_trained(range(steps))
+    counter = _ByteCounter()
+    save_step(ctx, state_dir, steps, model, optimizer, manifest={"run": "toy"}, entries={"tokens_seen": 20 * steps},
+              per_rank={"rng": {"rank": ctx.rank, "torch": torch.get_rng_state()}})
+    owned_params, owned_state = own_share(model, optimizer, ctx.rank)
+    write_result(out_dir, ctx.rank, {"written": counter.written, "owned_params": owned_params,
+                                     "owned_state": owned_state})
+
+
+def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, more: int) -> None:
+    """restore_step at this world size, then `more` steps; rank 0 saves the parameters."""
+    from tinylm.state import restore_step
+
+    model, optimizer = make_trained([], seed=99 + ctx.rank)  # a restore must overwrite all of it
+    counter = _ByteCounter()
+    rest = restore_step(ctx, state_dir, model, optimizer)
+    read = counter.read
+    assert rest["iteration"] == steps and rest["tokens_seen"] == 20 * steps
+    assert [entry["rank"] for entry in rest["rng"]] == [0, 1]  # saved by two ranks
+    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
+    owned_params, owned_state = own_share(model, optimizer, ctx.rank)
+    train_toy(model, optimizer, range(steps, steps + more))
+    if ctx.is_main:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out_dir, "params.pt"))
+    write_result(out_dir, ctx.rank, {"read": read, "owned_params": owned_params, "owned_state": owned_state})
+
+
+def checkpoint_with_a_slow_or_hung_rank(ctx, state_dir: str, out_dir: str, rank_to_slow: int, delay_s: float) -> None:
+    """save_step while `rank_to_slow` sleeps `delay_s` before each piece it writes (forever if < 0).
+
+    Afterwards the group must still work (an all-reduce) and the step must restore.
+    """
+    from tinylm.state import restore_step, save_step
+
+    model, optimizer = make_trained(range(2))
+    if ctx.rank == rank_to_slow:
+        real_pwrite = os.pwrite
+
+        def slow_pwrite(fd, data, offset):
+            time.sleep(delay_s if delay_s >= 0 else 3600)
+            return real_pwrite(fd, data, offset)
+
+        os.pwrite = slow_pwrite
+    Path(out_dir, f"pid{ctx.rank}").write_text(str(os.getpid()))
+    start = time.monotonic()
+    save_step(ctx, state_dir, 2, model, optimizer, manifest={"run": "toy"})
+    seconds = time.monotonic() - start
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    fresh, fresh_optimizer = make_trained([], seed=99 + ctx.rank)
+    restore_step(ctx, state_dir, fresh, fresh_optimizer)
+    assert_params_close(fresh, model, 0.0, "restored")
+    write_result(out_dir, ctx.rank, {"save_s": seconds, "sum": total.item()})
 
 
 # ---------------------------------------------------------------------------------------------

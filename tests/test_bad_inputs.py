@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _checkpoints import manifest_for
 from _tiny_config import write_tiny_config
 
 from tinylm import state as state_lib
@@ -169,11 +170,10 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
     torch.save({"model": {}, "iteration": 2, "x": _Exploit(marker)}, folder / "checkpoint.pt")
     config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1})
     # The manifest matches this run, so only the pickle itself stands between it and the loader.
-    manifest = {"files": {"checkpoint.pt": sha256_file(folder / "checkpoint.pt")}, "step": 2,
-                "world_size": 1, "threads_per_rank": 1, "seed": 0}
+    manifest = manifest_for(folder / "checkpoint.pt", step=2, world_size=1, threads_per_rank=1, seed=0)
     (folder / "manifest.json").write_text(json.dumps(manifest))
     os.link(folder / "checkpoint.pt", tmp_path / "step_2.pt")
-    (tmp_path / "step_2.json").write_text(json.dumps(manifest))
+    (tmp_path / "step_2.json").write_text(json.dumps(manifest_for(tmp_path / "step_2.pt", step=2)))
     env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
     common = ["--config", config, "--tokenizer", tiny_data["tokenizer"]]
     if stage == "evaluate":

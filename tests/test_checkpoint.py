@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -159,3 +160,96 @@ def test_compiled_model_is_saved_under_its_plain_parameter_names(tmp_path):
     fresh, _ = _trained(steps=0, seed=5)
     load_checkpoint(path, torch.compile(fresh))
     _assert_nested_equal(fresh.state_dict(), model.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------
+# Large files, piece by piece (tinylm/checkpoint.py: plan_file, write_tensors, CheckpointReader)
+
+
+def _mixed_payload() -> dict:
+    torch.manual_seed(3)
+    tied = torch.randn(7, 5)
+    return {
+        "model": {"embed": tied, "head": tied, "norm": torch.randn(5).to(torch.bfloat16),
+                  "empty": torch.zeros(0, 3)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7, 5)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
+        "iteration": 7,
+        "rng": [{"torch": torch.get_rng_state(), "python": (3, [1, 2], None)}, {"ids": torch.arange(9)}],
+    }
+
+
+def _offsets(layout, payload):
+    from tinylm.checkpoint import tensor_leaves
+
+    return [(layout.records[path][0], tensor) for path, tensor in tensor_leaves(payload)]
+
+
+def test_a_planned_and_filled_file_is_an_ordinary_torch_save_file(tmp_path, monkeypatch):
+    from tinylm import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 48)  # several pieces per tensor
+    payload = _mixed_payload()
+    path = tmp_path / "big.pt"
+    layout = ckpt.plan_file(path, payload)
+    assert layout.records[("model", "embed")] == layout.records[("model", "head")]  # tied: one record
+    entry = layout.entry(ckpt.write_tensors(path, _offsets(layout, payload)))
+    ckpt.verify_file(path, entry)
+    for mmap in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap)
+        _assert_nested_equal(loaded, payload)
+        assert loaded["model"]["embed"].data_ptr() == loaded["model"]["head"].data_ptr()
+    # The manifest's byte ranges cover the file exactly once.
+    ranges = sorted([*entry["records"], *entry["other"]])
+    assert [r[0] for r in ranges] == [0] + [r[0] + r[1] for r in ranges[:-1]]
+    assert ranges[-1][0] + ranges[-1][1] == path.stat().st_size == entry["bytes"]
+
+
+def test_ranks_fill_their_own_tensors_of_one_planned_file(tmp_path):
+    """Rank 0 plans with placeholders (meta tensors) for what another rank holds; both write in place."""
+    from tinylm import checkpoint as ckpt
+
+    payload = _mixed_payload()
+    theirs = payload["optimizer"]["state"][0]
+    planned = {**payload, "optimizer": {**payload["optimizer"], "state": {0: {
+        name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in theirs.items()}}}}
+    path = tmp_path / "shared.pt"
+    layout = ckpt.plan_file(path, planned)
+    mine = [(o, t) for o, t in _offsets(layout, planned) if t.device.type != "meta"]
+    other = [(layout.records[("optimizer", "state", 0, name)][0], t) for name, t in theirs.items()]
+    with pytest.raises(RuntimeError, match="no rank wrote"):
+        layout.entry(ckpt.write_tensors(path, mine))
+    hashes = ckpt.write_tensors(path, mine) | ckpt.write_tensors(path, other)
+    ckpt.verify_file(path, layout.entry(hashes))
+    _assert_nested_equal(torch.load(path, weights_only=True), payload)
+
+
+def test_the_reader_reads_and_checks_only_the_tensors_asked_for(tmp_path, monkeypatch):
+    from tinylm import checkpoint as ckpt
+
+    payload = _mixed_payload()
+    path = tmp_path / "r.pt"
+    layout = ckpt.plan_file(path, payload)
+    entry = layout.entry(ckpt.write_tensors(path, _offsets(layout, payload)))
+    exp_avg_offset = layout.records[("optimizer", "state", 0, "exp_avg")][0]
+    data = bytearray(path.read_bytes())
+    data[exp_avg_offset + 3] ^= 0x10  # damage one tensor only
+    path.write_bytes(bytes(data))
+
+    read_bytes = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(ckpt.os, "preadv", lambda fd, bufs, off: read_bytes.append(len(bufs[0])) or
+                        real_preadv(fd, bufs, off))
+    with ckpt.CheckpointReader(path, entry) as reader:
+        saved = reader.structure
+        assert saved["model"]["embed"].device.type == "meta" and not read_bytes  # nothing read yet
+        out = torch.empty(7, 5)
+        reader.read_into(saved["model"]["embed"], out)
+        assert torch.equal(out, payload["model"]["embed"]) and sum(read_bytes) == out.numel() * 4
+        assert torch.equal(reader.read(saved["model"]["norm"]), payload["model"]["norm"])
+        with pytest.raises(CheckpointError, match=f"r.pt: the bytes at offset {exp_avg_offset} do not match"):
+            reader.read(saved["optimizer"]["state"][0]["exp_avg"])
+        with pytest.raises(CheckpointError, match="shape"):
+            reader.read_into(saved["model"]["embed"], torch.empty(5, 7))
+    with pytest.raises(CheckpointError, match="r.pt.*sha256"):
+        ckpt.verify_file(path, entry)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
 from pathlib import Path
 
 import _parallel_helpers as helpers
@@ -17,26 +17,23 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-OPTIMIZERS = [
-    "torch",
-    pytest.param(
-        "tinylm",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("tinylm.optim") is None, reason="no tinylm.optim yet"
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
-def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name):
-    launch(helpers.sharded_matches_adamw, args=(str(tmp_path), optimizer_name), world_size=2, timeout_s=60)
+# torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner).
+@pytest.mark.parametrize(("optimizer_name", "bucket_mb"), [("torch", 25.0), ("tinylm", 2e-4)])
+def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name, bucket_mb):
+    launch(helpers.sharded_matches_adamw, args=(str(tmp_path), optimizer_name, bucket_mb), world_size=2,
+           timeout_s=60)
     results = read_results(tmp_path, 2)
     total = results[0]["total_elements"]
     assert sum(r["owned_elements"] for r in results) == total
     for r in results:
         assert abs(r["owned_elements"] - total / 2) <= r["largest"]
         assert 0 < r["owned_elements"] < total
+        # At most world_size x ceil(parameter bytes / bucket bytes) collectives, none per parameter.
+        bucket_bytes = bucket_mb * 2**20
+        assert len(r["broadcasts"]) <= 2 * math.ceil(r["parameter_bytes"] / bucket_bytes)
+        assert max(r["broadcasts"]) <= bucket_bytes
+        if bucket_mb == 25.0:
+            assert len(r["broadcasts"]) == 2 < r["num_parameters"]  # one bucket per owner
 
 
 def test_sharding_is_balanced_and_disjoint_on_three_ranks(tmp_path):

@@ -1,4 +1,5 @@
-"""Committed checkpoints: manifest last, sha256 checked before parsing, hostile pickles refused."""
+"""Committed checkpoints: manifest last, every byte checked before use, hostile pickles refused,
+the disk a run keeps bounded."""
 
 import json
 import os
@@ -9,40 +10,107 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpoints import manifest_for
 
 from tinylm import state as state_lib
-from tinylm.state import CheckpointError, StateLock, check_resumable, commit, committed_steps, load_verified
+from tinylm.model import Transformer
+from tinylm.optim import AdamW
+from tinylm.state import (
+    FORMAT,
+    CheckpointError,
+    StateLock,
+    check_resumable,
+    commit,
+    committed_steps,
+    load_verified,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
 
 
 def payload(step: int) -> dict:
+    """A real full checkpoint: a small model after `step` AdamW updates, with two ranks' RNG states."""
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    optimizer = AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(4, 3, generator=g)}, "optimizer": {"state": {}, "param_groups": []},
-            "iteration": step, "model_config": {"d_model": 3}, "rng": [{"python": [3, [1, 2], None]}]}
+    for _ in range(step // 10):
+        tokens = torch.randint(0, CONFIG["vocab_size"], (2, 9), generator=g)
+        model(tokens[:, :-1]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": step,
+            "tokens_seen": 16 * step, "model_config": CONFIG,
+            "rng": [{"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}, {"torch": torch.zeros(4)}]}
 
 
 MANIFEST = {"world_size": 2, "threads_per_rank": 1, "seed": 0, "structural_hash": "abc",
             "tokenizer_sha256": "t" * 64, "config": {"train": {"max_iters": 10, "lr_max": 0.1}}}
 
 
-def test_commit_writes_manifest_last_and_keeps_the_last_two(tmp_path):
-    for step in (10, 20, 30):
+def assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_path):
+    for step in (10, 20, 30, 40):
         commit(tmp_path, step, payload(step), MANIFEST, keep=2)
-    assert committed_steps(tmp_path) == [20, 30]
-    manifest = json.loads((tmp_path / "step_0000030" / "manifest.json").read_text())
-    assert manifest["step"] == 30 and manifest["world_size"] == 2 and manifest["torch_version"] == torch.__version__
-    loaded, _ = load_verified(tmp_path / "step_0000030" / "checkpoint.pt")
-    assert torch.equal(loaded["model"]["w"], payload(30)["model"]["w"]) and loaded["iteration"] == 30
-    # Every committed step stays published, even those pruned from the resume state.
-    assert state_lib.published_steps(tmp_path / "published") == [10, 20, 30]
+    assert committed_steps(tmp_path) == [30, 40]
+    manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
+    assert manifest["step"] == 40 and manifest["format"] == FORMAT and manifest["torch_version"] == torch.__version__
+    assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
+
     out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
-    assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt"]
-    loaded, _ = load_verified(out[0])
-    assert torch.equal(loaded["model"]["w"], payload(10)["model"]["w"])
+    assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
+    # The newest is the seed's full format: a plain torch.load into a plain AdamW.
+    full = torch.load(out[-1], weights_only=True)
+    assert_same(full, payload(40))
+    model = Transformer(**full["model_config"])
+    model.load_state_dict(full["model"])
+    AdamW(model.parameters()).load_state_dict(full["optimizer"])
+    # Older steps keep what evaluation and generation need.
+    for path, step in zip(out[:-1], (10, 20, 30), strict=True):
+        weights, published = load_verified(path)
+        assert published["contents"] == "weights" and "optimizer" not in weights
+        expected = payload(step)
+        assert_same(weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")})
+
+    # The bytes kept: keep x (checkpoint.pt + weights.pt) + (published steps - keep) x weights.pt.
+    sizes = {}
+    for path in tmp_path.rglob("*.pt"):
+        sizes[path.stat().st_ino] = path.stat().st_size
+    full_size = (tmp_path / "step_0000040" / "checkpoint.pt").stat().st_size
+    weights_size = (tmp_path / "step_0000040" / "weights.pt").stat().st_size
+    assert sum(sizes.values()) == 2 * (full_size + weights_size) + (4 - 2) * weights_size
+    assert (tmp_path / "published" / "step_40.pt").samefile(tmp_path / "step_0000040" / "checkpoint.pt")
+    assert (tmp_path / "published" / "step_30.pt").samefile(tmp_path / "step_0000030" / "weights.pt")
 
 
-def test_a_folder_without_manifest_does_not_exist(tmp_path):
+def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
+    for step in (10, 20):
+        commit(tmp_path, step, payload(step), MANIFEST)
+    # As if a commit was killed after taking step 10's manifest away and before writing it again.
+    (tmp_path / "published" / "step_10.json").unlink()
+    (tmp_path / "published" / "step_10.pt").unlink()
+    assert state_lib.published_steps(tmp_path / "published") == [20]
+    out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
+    assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
+    assert load_verified(out[0])[1]["contents"] == "weights"
+
+
+def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it(tmp_path):
     commit(tmp_path, 10, payload(10), MANIFEST)
     half = tmp_path / "step_0000020"
     half.mkdir()
@@ -50,21 +118,68 @@ def test_a_folder_without_manifest_does_not_exist(tmp_path):
     assert committed_steps(tmp_path) == [10]
     with pytest.raises(CheckpointError, match="manifest not found"):
         load_verified(half / "checkpoint.pt")
+    commit(tmp_path, 30, payload(30), MANIFEST)
+    assert not half.exists()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip tensor", "flip pickle", "truncate"])
 def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
     commit(tmp_path, 10, payload(10), MANIFEST)
     path = tmp_path / "step_0000010" / "checkpoint.pt"
+    entry = json.loads((tmp_path / "step_0000010" / "manifest.json").read_text())["files"]["checkpoint.pt"]
     data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
+    if damage == "flip tensor":
+        offset, length, _ = max(entry["records"], key=lambda r: r[1])  # inside the largest tensor
+        data[offset + length // 2] ^= 0x01
+    elif damage == "flip pickle":
+        data[entry["other"][0][0] + 100] ^= 0x01
     else:
         data = data[: len(data) // 2]
     os.unlink(path)  # break the hard link to the published copy
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*sha256"):
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
         load_verified(path)
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
+        model = Transformer(**CONFIG)
+        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
+
+
+def _one_rank():
+    from tinylm.parallel import RankContext
+
+    return RankContext(0, 0, 1, torch.device("cpu"), None)
+
+
+def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
+    saved = payload(30)
+    commit(tmp_path, 30, saved, MANIFEST)
+    torch.manual_seed(1)
+    model = Transformer(**CONFIG)
+    optimizer = AdamW(model.parameters(), lr=0.5)
+    rest = state_lib.restore_step(_one_rank(), tmp_path, model, optimizer)
+    assert_same(model.state_dict(), saved["model"])
+    assert_same(optimizer.state_dict(), saved["optimizer"])
+    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
+    assert_same(rest, {key: saved[key] for key in ("iteration", "tokens_seen", "model_config", "rng")})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_of_a_cuda_model_is_written_from_and_read_into_the_device(tmp_path):
+    """Tensors on the device travel through the host one piece at a time; `step` stays on the CPU."""
+    saved = payload(30)
+    model = Transformer(**CONFIG, device="cuda")
+    model.load_state_dict(saved["model"])
+    optimizer = AdamW(model.parameters())
+    optimizer.load_state_dict(saved["optimizer"])
+    on_device = {**saved, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    commit(tmp_path, 30, on_device, MANIFEST)
+    assert_same(torch.load(tmp_path / "step_0000030" / "checkpoint.pt", weights_only=True), saved)
+    fresh = Transformer(**CONFIG, device="cuda")
+    fresh_optimizer = AdamW(fresh.parameters())
+    state_lib.restore_step(_one_rank(), tmp_path, fresh, fresh_optimizer)
+    assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, saved["model"])
+    for state in fresh_optimizer.state.values():
+        assert state["step"].device.type == "cpu" and state["exp_avg"].device.type == "cuda"
 
 
 class _Exploit:
@@ -82,8 +197,7 @@ def _hostile_checkpoint(folder: Path, marker: Path) -> Path:
     folder.mkdir(parents=True)
     path = folder / "checkpoint.pt"
     torch.save({"model": {}, "iteration": 1, "x": _Exploit(marker)}, path)
-    files = {"checkpoint.pt": state_lib.sha256_file(path)}
-    (folder / "manifest.json").write_text(json.dumps({**MANIFEST, "step": 1, "files": files}))
+    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **MANIFEST, step=1)))
     return path
 
 
@@ -94,6 +208,9 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="weights_only"):
         load_verified(path)
+    model = Transformer(**CONFIG)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
     assert not marker.exists()
     # The exploit is real: an unsafe load would have run it.
     with open(path, "rb") as f:
@@ -102,15 +219,18 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
 
 
 def test_resume_check_names_the_value_that_differs():
-    check_resumable(MANIFEST, dict(MANIFEST), "s")
+    saved = {**MANIFEST, "format": FORMAT}
+    check_resumable(saved, dict(MANIFEST), "s")
+    with pytest.raises(CheckpointError, match="format differs"):
+        check_resumable({**saved, "format": 1}, dict(MANIFEST), "s")
     # The same batches at any world size or thread count: those may change.
-    check_resumable(MANIFEST, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
+    check_resumable(saved, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
     with pytest.raises(CheckpointError, match="seed differs.*0.*1"):
-        check_resumable(MANIFEST, {**MANIFEST, "seed": 1}, "s")
+        check_resumable(saved, {**MANIFEST, "seed": 1}, "s")
     with pytest.raises(CheckpointError, match="structural_hash differs"):
-        check_resumable(MANIFEST, {**MANIFEST, "structural_hash": "zzz"}, "s")
+        check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
     with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
-        check_resumable(MANIFEST, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
+        check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
 
 
 def test_lock_stops_a_second_trainer(tmp_path):
@@ -144,3 +264,115 @@ def test_every_torch_load_in_the_package_passes_weights_only_true():
         assert "pickle.load" not in text, f"{path} uses pickle.load"
     assert calls >= 1
 
+
+# ------------------------------------------------------------------------------------------------
+# save_step / restore_step with a ShardedOptimizer: another world size, no rank holding it all
+
+
+def _read_results(out_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def saved_at_world_two(tmp_path_factory):
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    folder = tmp_path_factory.mktemp("sharded")
+    launch(helpers.save_sharded, args=(str(folder / "state"), str(folder), 3), world_size=2, timeout_s=60)
+    return folder
+
+
+def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_its_share(saved_at_world_two):
+    import _parallel_helpers as helpers
+
+    state = saved_at_world_two / "state"
+    model, reference = helpers.make_trained(range(3), sharded=False)
+    out = state_lib.publish(state, saved_at_world_two / "checkpoints")
+    full = torch.load(out[-1], weights_only=True)  # the seed's format, plainly loaded
+    assert_same(full["model"], model.state_dict())
+    assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly
+    plain = helpers.make_toy(seed=0)
+    plain.load_state_dict(full["model"])
+    torch.optim.AdamW(helpers._param_groups(plain)).load_state_dict(full["optimizer"])
+    assert [entry["rank"] for entry in full["rng"]] == [0, 1] and full["tokens_seen"] == 60
+
+    ranks = _read_results(saved_at_world_two, 2)
+    entries = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]
+    tensor_bytes = sum(n for entry in entries.values() for _, n, _ in entry["records"])
+    assert sum(r["written"] for r in ranks) == tensor_bytes  # every tensor written once, by one rank
+    # Rank 1 wrote its own parameters (into checkpoint.pt and weights.pt) and its own state, nothing else.
+    assert ranks[1]["written"] == 2 * ranks[1]["owned_params"] + ranks[1]["owned_state"]
+    assert 0 < ranks[1]["owned_state"] < _state_bytes(reference)
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+
+
+def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_world_two, tmp_path):
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    state = saved_at_world_two / "state"
+    _, saved = helpers.make_trained(range(3), sharded=False)
+    reference_model, _ = helpers.make_trained(range(6), sharded=False)
+
+    launch(helpers.restore_sharded_and_continue, args=(str(state), str(tmp_path), 3, 3), world_size=3,
+           timeout_s=60)
+    resumed = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same(resumed, reference_model.state_dict())  # bit-identical: the same per-parameter math
+    entry = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]["checkpoint.pt"]
+    other = sum(n for _, n, _ in entry["other"])
+    model_bytes = sum(t.numel() * t.element_size() for t in reference_model.state_dict().values()) \
+        - reference_model.embed.weight.numel() * 8  # the tied head is one tensor in the file
+    rng = sum(n for _, n, _ in entry["records"]) - model_bytes - _state_bytes(saved)
+    for r in _read_results(tmp_path, 3):
+        # The model, this rank's own state at world size 3, and the small rest: never the whole state.
+        assert r["read"] == other + model_bytes + r["owned_state"] + rng
+        assert 0 < r["owned_state"] < _state_bytes(saved)
+
+    # One process with a plain AdamW reads the whole state (no launch: a world of one).
+    model, optimizer = helpers.make_trained([], seed=99, sharded=False)
+    rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
+    helpers.train_toy(model, optimizer, range(3, 6))
+    assert rest["iteration"] == 3
+    assert_same(model.state_dict(), reference_model.state_dict())
+
+
+def test_a_checkpoint_slower_than_the_collective_timeout_still_commits(tmp_path):
+    """Rank 0 writes slowly (the usual case: it writes the most); rank 1 waits for it, beyond the timeout."""
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import launch
+
+    timeout_s = 2.0
+    launch(helpers.checkpoint_with_a_slow_or_hung_rank,
+           args=(str(tmp_path / "state"), str(tmp_path), 0, 0.15), world_size=2, timeout_s=timeout_s)
+    results = _read_results(tmp_path, 2)
+    assert all(r["save_s"] > timeout_s for r in results)  # everyone waited longer than a collective may
+    assert all(r["sum"] == 2.0 for r in results)
+    assert committed_steps(tmp_path / "state") == [2]
+
+
+def test_a_rank_that_hangs_while_checkpointing_is_reported_within_the_timeout(tmp_path):
+    """Rank 1 stops in its first write; rank 0, waiting for it, reports it after train.timeout_s."""
+    import time
+
+    import _parallel_helpers as helpers
+
+    from tinylm.parallel import RankFailedError, launch
+
+    timeout_s = 2.0
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0 failed") as info:
+        launch(helpers.checkpoint_with_a_slow_or_hung_rank, args=(str(tmp_path / "state"), str(tmp_path), 1, -1),
+               world_size=2, timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s + 30
+    assert "rank 1 made no progress for 2 s" in str(info.value)
+    assert committed_steps(tmp_path / "state") == []
+    for r in range(2):  # no process of the job is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / f"pid{r}").read_text()), 0)

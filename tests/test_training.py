@@ -176,20 +176,32 @@ def test_non_finite_loss_stops_before_the_update(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_launch_equals_mp_spawn(tiny_data, uninterrupted, tmp_path):
-    """The multi-node entry point: torchrun starts the ranks, each runs `pretrain` in place."""
+def test_two_torchrun_agents_equal_mp_spawn(tiny_data, uninterrupted, tmp_path):
+    """Multi-node on one machine: two torchrun agents (one per "node", one rank each) meet through
+    a c10d rendezvous on 127.0.0.1; each rank runs `pretrain` in place, into one shared state folder."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     out = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "tinylm", "pretrain", "--config", str(uninterrupted["config"]),
-         "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens", str(tiny_data["train"]),
-         "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
-         "--checkpoint-dir", str(out), "--tensorboard-dir", str(tmp_path / "tb")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-    )
-    assert proc.returncode == 0, proc.stderr
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tinylm-test",
+               "-m", "tinylm", "pretrain", "--config", str(uninterrupted["config"]),
+               "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens", str(tiny_data["train"]),
+               "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
+               "--checkpoint-dir", str(out), "--tensorboard-dir", str(tmp_path / "tb")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+              for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=300) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     spawned = uninterrupted["state"].parent / "state_ckpt"
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in spawned.glob("*.pt"))
     for step in (4, 8, 12):
         assert (out / f"step_{step}.pt").read_bytes() == (spawned / f"step_{step}.pt").read_bytes(), step
 

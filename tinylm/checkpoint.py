@@ -1,17 +1,39 @@
-"""Saving and loading training checkpoints.
+"""Checkpoint files: the seed's format, and how a large one is written and read piece by piece.
 
 A checkpoint is one torch.save'd dictionary with at least
     model      the model's state_dict
     optimizer  the optimizer's state_dict
     iteration  the number of optimizer steps taken (int)
-plus any extra entries of plain types (e.g. the model config). It is written to a temporary file
-and renamed into place, so a crash never leaves a half-written checkpoint under the final name, and
-it is always read with torch.load(weights_only=True), so loading a file never runs code from it.
+plus any extra entries of plain types (e.g. the model config). It is always read with
+torch.load(weights_only=True), so loading a file never runs code from it. `save_checkpoint` /
+`load_checkpoint` write and read one whole file in one process, atomically.
+
+A large checkpoint of a sharded run is never in one process's memory: torch.save needs every
+tensor at once and torch.load reads all of them, while the optimizer state is spread over the
+ranks. Such a file is written in two passes that hold one piece of one tensor at a time:
+
+1. `plan_file(path, payload)` writes everything but the tensor data: torch.save under
+   torch.serialization.skip_data, with fake tensors (shape and dtype only) standing in for the
+   real ones. That is the pickle, the zip headers and directory, and a hole for the bytes of each
+   tensor. It returns the file's `Layout`: where each tensor's bytes go, and the sha256 of each
+   byte range that is not tensor data (about a hundred bytes per tensor, read back once).
+2. `write_tensors(path, items)` fills holes in place: each rank fills those of the tensors it
+   holds, hashing each tensor's bytes while writing them, so the file is never read again.
+
+The result is an ordinary torch.save file: a plain torch.load(path, weights_only=True) reads it.
+Its manifest entry (`Layout.entry`) cuts the file into byte ranges, each with its sha256:
+"records" (one per tensor) and "other" (pickle, headers, directory). A reader checks exactly the
+ranges it reads: `CheckpointReader` checks the "other" ranges, parses the pickle into tensors on
+the meta device (no data is read), and then reads and checks one tensor at a time, straight into
+its destination; `verify_file` checks every range in one pass.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +42,12 @@ import torch
 from tinylm.io import atomic_path
 
 REQUIRED_KEYS = ("model", "optimizer", "iteration")
+WEIGHTS_KEYS = ("model", "iteration")  # what evaluation and generation need
+CHUNK_BYTES = 64 << 20  # tensors are written, read and hashed in pieces of at most this size
+FLUSH_BYTES = 256 << 20  # fdatasync after this much, so that no single flush is long
 _PLAIN_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
+
+Path_ = tuple  # where a tensor sits in the payload: its keys and indices from the top
 
 
 class CheckpointError(ValueError):
@@ -47,31 +74,36 @@ def save_checkpoint(
     for key, value in (extra or {}).items():
         if key in state:
             raise ValueError(f"extra checkpoint entry {key!r} would overwrite a required entry")
-        _check_plain(value, where=key)
+        check_plain(value, where=key)
         state[key] = value
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(state, f)  # through a handle: the archive is named "archive", not after tmp
 
 
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint dictionary with weights_only=True and check its required entries.
+def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                    required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
+    """Load a checkpoint dictionary with weights_only=True and check its `required` entries.
 
     Raises FileNotFoundError if `path` does not exist and CheckpointError if it cannot be loaded
-    safely or lacks model / optimizer / iteration; both name the file.
+    safely or lacks a required entry; both name the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, pickle of arbitrary objects, not a torch file at all
-        raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {e}") from e
+    state = _torch_load(path, map_location)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
-    missing = [key for key in REQUIRED_KEYS if key not in state]
+    missing = [key for key in required if key not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the entries {missing}")
     return state
+
+
+def _torch_load(path: Path, map_location) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, pickle of arbitrary objects, not a torch file at all
+        raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {e}") from e
 
 
 def load_checkpoint(
@@ -90,15 +122,278 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def _check_plain(value: Any, where: str) -> None:
+def check_plain(value: Any, where: str) -> None:
     """Raise TypeError if `value` contains anything torch.load(weights_only=True) may refuse."""
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str | int):
                 raise TypeError(f"checkpoint entry {where!r}: key {k!r} is not a str or int")
-            _check_plain(v, where=f"{where}.{k}")
+            check_plain(v, where=f"{where}.{k}")
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            _check_plain(v, where=f"{where}[{i}]")
+            check_plain(v, where=f"{where}[{i}]")
     elif not isinstance(value, _PLAIN_SCALARS):
         raise TypeError(f"checkpoint entry {where!r} has type {type(value).__name__}, not a plain type")
+
+
+# ------------------------------------------------------------------------------------------------
+# Large files, piece by piece
+
+
+def tensor_leaves(tree: Any, path: Path_ = ()) -> Iterator[tuple[Path_, torch.Tensor]]:
+    """(path, tensor) for every tensor in nested dicts, lists and tuples, in order."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from tensor_leaves(value, (*path, key))
+    elif isinstance(tree, list | tuple):
+        for i, value in enumerate(tree):
+            yield from tensor_leaves(value, (*path, i))
+
+
+def map_tensors(tree: Any, fn: Callable[[Path_, torch.Tensor], Any], path: Path_ = ()) -> Any:
+    """`tree` with every tensor t at `path` replaced by fn(path, t); containers keep their types."""
+    if isinstance(tree, torch.Tensor):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        return {key: map_tensors(value, fn, (*path, key)) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(map_tensors(value, fn, (*path, i)) for i, value in enumerate(tree))
+    return tree
+
+
+@dataclass
+class Layout:
+    """Where the data of each tensor of a planned file goes.
+
+    size: the file's length in bytes; records: tensor path -> (offset, nbytes), tensors that share
+    storage (tied weights) at the same offset; other: [offset, length, sha256] of every byte range
+    that is not tensor data.
+    """
+
+    size: int
+    records: dict[Path_, tuple[int, int]]
+    other: list[list]
+
+    def entry(self, hashes: dict[int, str]) -> dict[str, Any]:
+        """The manifest entry of the finished file, given the sha256 of each record (by offset)."""
+        spans = sorted({span for span in self.records.values() if span[1] > 0})
+        missing = [offset for offset, _ in spans if offset not in hashes]
+        if missing:
+            raise RuntimeError(f"no rank wrote the tensor data at byte offsets {missing[:5]}")
+        return {"bytes": self.size, "records": [[offset, n, hashes[offset]] for offset, n in spans],
+                "other": self.other}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "records": [[list(p), o, n] for p, (o, n) in self.records.items()],
+                "other": self.other}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Layout:
+        return cls(data["size"], {tuple(p): (o, n) for p, o, n in data["records"]}, data["other"])
+
+
+def plan_file(path: str | os.PathLike, payload: Any) -> Layout:
+    """Write all of torch.save(payload) to `path` but the tensor data; return where that data goes.
+
+    Tensors may be real or on the meta device (shape and dtype of a tensor held elsewhere); each
+    is stored contiguous, in its own storage unless it shares one with another tensor of `payload`.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    path = Path(path)
+    mode = FakeTensorMode()
+    fakes: dict[Any, torch.Tensor] = {}
+
+    def fake(_, tensor: torch.Tensor) -> torch.Tensor:
+        shared = tensor.device.type != "meta" and tensor.numel() > 0
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if shared else id(tensor)
+        if key not in fakes:
+            with mode:
+                fakes[key] = torch.empty(tensor.shape, dtype=tensor.dtype)
+        return fakes[key]
+
+    skeleton = map_tensors(payload, fake)
+    with torch.serialization.skip_data(materialize_fake_tensors=True), open(path, "wb") as f:
+        torch.save(skeleton, f)  # through a handle: the archive is named "archive", not after the file
+    records = {p: (_data_offset(t), t.numel() * t.element_size())
+               for p, t in tensor_leaves(torch.load(path, map_location="meta", weights_only=True))}
+    expected = [p for p, _ in tensor_leaves(payload)]
+    if list(records) != expected:
+        raise RuntimeError(f"{path}: the planned file does not hold the payload's tensors in order")
+    size = path.stat().st_size
+    other, position = [], 0
+    with open(path, "rb") as f:
+        for offset, nbytes in [*sorted({s for s in records.values() if s[1] > 0}), (size, 0)]:
+            if offset > position:
+                data = os.pread(f.fileno(), offset - position, position)
+                other.append([position, offset - position, hashlib.sha256(data).hexdigest()])
+            position = max(position, offset + nbytes)
+    return Layout(size, records, other)
+
+
+def _data_offset(meta: torch.Tensor) -> int:
+    """Byte offset in the file of a tensor loaded with map_location="meta"."""
+    return meta.untyped_storage()._checkpoint_offset + meta.storage_offset() * meta.element_size()
+
+
+def write_tensors(path: str | os.PathLike, items: list[tuple[int, torch.Tensor]],
+                  beat: Callable[[], None] | None = None) -> dict[int, str]:
+    """Write each (offset, tensor) into the planned file `path`; return the sha256 of each, by offset.
+
+    Tensors may live on any device; they are copied to the host one piece (CHUNK_BYTES) at a time.
+    Items at an offset already written (tied tensors) are skipped. `beat` is called after every
+    piece (the rank is making progress). The data is on disk (fsynced) when this returns.
+    """
+    hashes: dict[int, str] = {}
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        unflushed = 0
+        for offset, tensor in sorted(items, key=lambda item: item[0]):
+            if offset in hashes or tensor.numel() == 0:
+                continue
+            digest = hashlib.sha256()
+            position = offset
+            for piece in _host_pieces(tensor):
+                view = memoryview(piece).cast("B")
+                while view:
+                    written = os.pwrite(fd, view, position)
+                    position += written
+                    view = view[written:]
+                digest.update(piece)
+                unflushed += piece.nbytes
+                if unflushed >= FLUSH_BYTES:
+                    os.fdatasync(fd)
+                    unflushed = 0
+                if beat is not None:
+                    beat()
+            hashes[offset] = digest.hexdigest()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return hashes
+
+
+def _host_pieces(tensor: torch.Tensor) -> Iterator[Any]:
+    """The bytes of `tensor` (C order) as numpy arrays of at most CHUNK_BYTES, on the host."""
+    flat = tensor.detach().reshape(-1)
+    flat = flat.contiguous().view(torch.uint8)
+    for start in range(0, flat.numel(), CHUNK_BYTES):
+        yield flat[start : start + CHUNK_BYTES].cpu().numpy()
+
+
+class CheckpointReader:
+    """Read the tensors of a checkpoint file one at a time, each checked against its manifest entry.
+
+        with CheckpointReader(path, entry) as reader:
+            payload = reader.structure          # the payload, every tensor on the meta device
+            reader.read_into(payload["model"]["w"], param)   # or reader.read(meta, device)
+
+    Opening checks the file's size and its "other" ranges (pickle, headers) and parses the pickle
+    with weights_only=True; no tensor data is read until asked for.
+    """
+
+    def __init__(self, path: str | os.PathLike, entry: dict[str, Any]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {self.path}")
+        size = self.path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{self.path}: {size} bytes, its manifest says {entry['bytes']}: the file is "
+                                  f"truncated or was replaced")
+        self._records = {offset: (nbytes, sha) for offset, nbytes, sha in entry["records"]}
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for offset, length, sha in entry["other"]:
+                self._check(hashlib.sha256(self._pread(offset, length)).hexdigest(), sha, offset)
+            self.structure = _torch_load(self.path, "meta")
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, meta: torch.Tensor, device: str | torch.device = "cpu",
+             beat: Callable[[], None] | None = None) -> torch.Tensor:
+        """A new tensor on `device` holding the data of `meta` (a tensor of `structure`)."""
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        self.read_into(meta, out, beat)
+        return out
+
+    @torch.no_grad()
+    def read_into(self, meta: torch.Tensor, out: torch.Tensor, beat: Callable[[], None] | None = None) -> None:
+        """Fill the contiguous tensor `out` (same shape and dtype as `meta`) with meta's data, checked."""
+        if out.shape != meta.shape or out.dtype != meta.dtype:
+            raise CheckpointError(f"{self.path}: a tensor of shape {tuple(meta.shape)} and dtype {meta.dtype} "
+                                  f"cannot be read into one of shape {tuple(out.shape)} and dtype {out.dtype}")
+        offset, nbytes = _data_offset(meta), meta.numel() * meta.element_size()
+        if nbytes == 0:
+            return
+        if self._records.get(offset, (None,))[0] != nbytes:
+            raise CheckpointError(f"{self.path}: its manifest lists no tensor of {nbytes} bytes at byte {offset}")
+        flat = out.view(-1).view(torch.uint8)  # a view: the bytes of `out` itself
+        staging = None if out.device.type == "cpu" else torch.empty(min(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        digest = hashlib.sha256()
+        for start in range(0, nbytes, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, nbytes - start)
+            target = flat[start : start + length] if staging is None else staging[:length]
+            buffer = memoryview(target.numpy()).cast("B")
+            self._pread_into(buffer, offset + start)
+            digest.update(buffer)
+            if staging is not None:
+                flat[start : start + length].copy_(target)
+            if beat is not None:
+                beat()
+        self._check(digest.hexdigest(), self._records[offset][1], offset)
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        data = os.pread(self._fd, length, offset)
+        if len(data) != length:
+            raise CheckpointError(f"{self.path}: truncated at byte {offset + len(data)}")
+        return data
+
+    def _pread_into(self, buffer: memoryview, offset: int) -> None:
+        while buffer:
+            n = os.preadv(self._fd, [buffer], offset)
+            if n == 0:
+                raise CheckpointError(f"{self.path}: truncated at byte {offset}")
+            buffer, offset = buffer[n:], offset + n
+
+    def _check(self, actual: str, expected: str, offset: int) -> None:
+        if actual != expected:
+            raise CheckpointError(f"{self.path}: the bytes at offset {offset} do not match the sha256 in its "
+                                  f"manifest ({actual[:16]}... instead of {expected[:16]}...): the file is corrupt")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def verify_file(path: str | os.PathLike, entry: dict[str, Any]) -> None:
+    """Check every byte of `path` against its manifest entry, in one pass (CheckpointError if not)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.stat().st_size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, its manifest says {entry['bytes']}: the "
+                              f"file is truncated or was replaced")
+    ranges = sorted([*entry["records"], *entry["other"]])
+    with open(path, "rb") as f:
+        for offset, length, sha in ranges:
+            f.seek(offset)
+            digest, left = hashlib.sha256(), length
+            while left:
+                chunk = f.read(min(left, CHUNK_BYTES))
+                if not chunk:
+                    raise CheckpointError(f"{path}: truncated at byte {f.tell()}")
+                digest.update(chunk)
+                left -= len(chunk)
+            if digest.hexdigest() != sha:
+                raise CheckpointError(f"{path}: the bytes at offset {offset} do not match the sha256 in its "
+                                      f"manifest: the file is corrupt")

@@ -76,7 +76,18 @@ def mfu(tokens_per_s: float, model_flops_per_token: float, peak_per_device: floa
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA memory allocated by torch, or on the CPU the peak RSS."""
+    """Peak memory of this process so far: CUDA memory allocated by torch, or on the CPU the peak RSS.
+
+    On Linux the RSS peak is VmHWM of /proc/self/status: ru_maxrss survives exec, so a process
+    started by a larger one (a spawned rank, a stage under pytest) would report its parent's peak.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS

@@ -264,7 +264,7 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     groups = param_groups(model, t.weight_decay)
     opt_kwargs = dict(lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps)
     if world_size > 1 and t.shard_optimizer:
-        optimizer = ShardedOptimizer(groups, AdamW, **opt_kwargs)
+        optimizer = ShardedOptimizer(groups, AdamW, bucket_size_mb=t.bucket_size_mb, **opt_kwargs)
     else:
         optimizer = AdamW(groups, **opt_kwargs)
     # float16 needs loss scaling (its range is too small for small gradients); a disabled scaler
@@ -274,18 +274,14 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     ddp = DDP(torch.compile(model) if t.compile else model, bucket_size_mb=t.bucket_size_mb)
 
     start = 0
-    steps = state_lib.committed_steps(state_dir)
-    if steps:
-        folder = state_lib.step_dir(Path(state_dir), steps[-1])
-        # On the CPU first: RNG states must be CPU tensors, and optimizer.load_state_dict moves
-        # each moment beside its parameter while the step counters stay on the CPU.
-        payload, _ = state_lib.load_verified(folder / state_lib.CHECKPOINT, map_location="cpu")
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        scaler.load_state_dict(payload.get("grad_scaler") or {})
-        if len(payload["rng"]) == world_size:  # RNG streams are per rank: only the same world size
-            _set_rng_state(payload["rng"][rank], np_rng, device)
-        start = int(payload["iteration"])
+    # On the CPU first, then beside each parameter (see state.restore_step): RNG states stay CPU
+    # tensors and AdamW's step counters stay on the CPU. Each rank reads only its own share.
+    restored = state_lib.restore_step(ctx, state_dir, model, optimizer)
+    if restored is not None:
+        scaler.load_state_dict(restored.get("grad_scaler") or {})
+        if len(restored["rng"]) == world_size:  # RNG streams are per rank: only the same world size
+            _set_rng_state(restored["rng"][rank], np_rng, device)
+        start = int(restored["iteration"])
     install_fault_hooks(ddp, rank, start, accum)  # test-only, does nothing unless TINYLM_FAULT is set
 
     writer = None
@@ -379,24 +375,8 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
 
 def _commit(ctx, model, optimizer, scaler, step: int, tokens_per_step: int, np_rng, model_config, run,
             state_dir, keep: int) -> None:
-    """Collective: gather optimizer state and RNG states on rank 0, which commits the step."""
-    optim_state = optimizer.state_dict()  # ShardedOptimizer consolidates (a collective on every rank)
-    rng = _rng_state(np_rng, ctx.device)
-    if ctx.world_size > 1:
-        rngs = [None] * ctx.world_size
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
-    if ctx.is_main:
-        payload = {
-            "model": model.state_dict(),
-            "optimizer": optim_state,
-            "iteration": step,
-            "tokens_seen": step * tokens_per_step,
-            "model_config": model_config,
-            "rng": rngs,
-            "grad_scaler": scaler.state_dict(),
-        }
-        state_lib.commit(state_dir, step, payload, manifest=dict(run), keep=keep)
-    if ctx.world_size > 1:
-        dist.barrier()
+    """Collective: every rank writes its part of step `step` (see tinylm/state.py); rank 0 commits it."""
+    state_lib.save_step(ctx, state_dir, step, model, optimizer, manifest=run, keep=keep,
+                        entries={"tokens_seen": step * tokens_per_step, "model_config": model_config,
+                                 "grad_scaler": scaler.state_dict()},
+                        per_rank={"rng": _rng_state(np_rng, ctx.device)})

@@ -7,11 +7,15 @@
 
 When it wraps, DDP copies rank 0's parameters and buffers to every rank. It then groups the
 trainable parameters into buckets of about `bucket_size_mb` megabytes (2**20 bytes), in reverse
-registration order, since backward produces the gradients of the last layers first. A hook on each
-parameter copies its gradient into its bucket's flat buffer as soon as autograd has accumulated
-it, and once every gradient of a bucket is in, an asynchronous all-reduce of that buffer starts,
-so communication overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still
-waiting, waits for all of them, divides by the world size and writes the averages back to `.grad`.
+registration order, since backward produces the gradients of the last layers first. Each bucket
+is one flat buffer, and each parameter's `.grad` is a view into it (as torch's
+`gradient_as_bucket_view`), so gradient memory is held once. A hook on each parameter runs as soon
+as autograd has accumulated its gradient: if autograd made a fresh `.grad` (the first backward
+after `zero_grad(set_to_none=True)`), the hook copies it into the bucket and points `.grad` at the
+bucket's view, after which autograd accumulates into the bucket in place. Once every gradient of a
+bucket is in, an asynchronous all-reduce of that buffer starts, so communication overlaps the rest
+of backward. `finish_gradient_sync()` starts the buckets still waiting, waits for all of them and
+divides each buffer by the world size in place: the views are then the rank averages.
 
 Buckets are always started in bucket order, on every rank, so the sequence of collectives is the
 same everywhere even when gradients become ready in different orders on different ranks.
@@ -23,10 +27,12 @@ single-process training. For that, each bucket carries one extra element per par
 counts the ranks that produced its gradient.
 
 Inside `with ddp.no_sync():` backward only accumulates local gradients (gradient accumulation
-micro-steps); the next backward outside it reduces the accumulated sum.
+micro-steps), already in the buckets; the next backward outside it reduces the accumulated sum.
 
-`ddp.module` is the wrapped model: save `ddp.module.state_dict()` so checkpoints have no wrapper
-prefix. Without an initialised process group DDP is a world of one and communicates nothing.
+The module may be wrapped in torch.compile before DDP: the hooks sit on the parameters
+(post-accumulate-grad hooks), which compiled code leaves to eager autograd. `ddp.module` is the
+wrapped model: save `ddp.module.state_dict()` so checkpoints have no wrapper prefix. Without an
+initialised process group DDP is a world of one and communicates nothing.
 """
 
 from __future__ import annotations
@@ -42,45 +48,51 @@ from torch import nn
 class _Bucket:
     """A flat buffer holding the gradients of some parameters, plus one "has a gradient" flag each.
 
-    Layout: [grad of params[0] | grad of params[1] | ... | flag 0 | flag 1 | ...]
+    Layout: [grad of params[0] | grad of params[1] | ... | flag 0 | flag 1 | ...]; `views[i]` is
+    params[i]'s slice, shaped like the parameter, and is what `params[i].grad` points at.
     """
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.offsets = []
-        numel = 0
-        for p in params:
-            self.offsets.append(numel)
-            numel += p.numel()
-        self.grad_numel = numel
+        numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.grads = self.buffer[:numel]
+        self.flags = self.buffer[numel:]
+        self.views = []
+        offset = 0
+        for p in params:
+            self.views.append(self.grads[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
         self.ready = [False] * len(params)
         self.num_ready = 0
+        self.num_missing = 0  # parameters without a gradient on this rank in this step
         self.handle = None
 
-    def grad_view(self, i: int) -> torch.Tensor:
-        """The slice of the buffer holding params[i]'s gradient, shaped like the parameter."""
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
-
-    def flag(self, i: int) -> torch.Tensor:
-        return self.buffer[self.grad_numel + i]
+    def adopt(self, i: int) -> bool:
+        """Make params[i].grad the bucket's view (copying a fresh gradient in); False if it has none."""
+        p, view = self.params[i], self.views[i]
+        if p.grad is None:
+            return False
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        return True
 
     def put(self, i: int) -> None:
-        """Copy params[i].grad into the buffer (zeros and flag 0 when it has none), mark it ready."""
-        grad = self.params[i].grad
-        if grad is None:
-            self.grad_view(i).zero_()
-            self.flag(i).fill_(0)
+        """Mark params[i] ready: its gradient in the bucket (zeros and flag 0 when it has none)."""
+        if self.adopt(i):
+            self.flags[i].fill_(1)
         else:
-            self.grad_view(i).copy_(grad)
-            self.flag(i).fill_(1)
+            self.views[i].zero_()
+            self.flags[i].fill_(0)
+            self.num_missing += 1
         self.ready[i] = True
         self.num_ready += 1
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
+        self.num_missing = 0
         self.handle = None
 
 
@@ -107,6 +119,7 @@ class DDP(nn.Module):
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[p] = (b, i)
+                bucket.adopt(i)  # a gradient that exists already moves into the bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def forward(self, *args, **kwargs):
@@ -129,11 +142,12 @@ class DDP(nn.Module):
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        """Autograd hook: param.grad is final for this backward; put it in its bucket."""
-        if not self._sync_enabled:
-            return
+        """Autograd hook: param.grad is final for this backward; keep it in its bucket."""
         b, i = self._where[param]
         bucket = self._buckets[b]
+        if not self._sync_enabled:
+            bucket.adopt(i)  # accumulate in the bucket, communicate nothing
+            return
         if bucket.ready[i]:
             raise RuntimeError(
                 "a parameter's gradient became ready twice before finish_gradient_sync(); call "
@@ -169,15 +183,20 @@ class DDP(nn.Module):
 
         for bucket in self._buckets:
             bucket.handle.wait()
-            ranks_with_grad = bucket.buffer[bucket.grad_numel :].tolist()
-            for i, p in enumerate(bucket.params):
-                if ranks_with_grad[i] == 0:
-                    continue  # no rank produced a gradient: leave .grad as it is (None)
-                average = bucket.grad_view(i).div_(self.world_size)
-                if p.grad is None:
-                    p.grad = average.clone()
-                else:
-                    p.grad.copy_(average)
+            bucket.grads.div_(self.world_size)
+        # How many ranks produced each parameter's gradient. When this rank produced all of them,
+        # every count is at least 1 and need not be read: no device-to-host copy, no host sync, in
+        # the usual step. Otherwise one copy for all flags.
+        if any(bucket.num_missing for bucket in self._buckets):
+            ranks_with_grad = torch.cat([bucket.flags for bucket in self._buckets]).tolist()
+        else:
+            ranks_with_grad = [1] * sum(len(bucket.params) for bucket in self._buckets)
+        slot = 0
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if ranks_with_grad[slot] > 0:  # else no rank produced one: .grad stays None
+                    p.grad = view
+                slot += 1
             bucket.reset()
         self._next_bucket = 0
 

@@ -12,14 +12,17 @@
   "spawn"), so `fn` and `args` must be picklable: `fn` has to be a module-level function.
 
 Each rank gets `torch.set_num_threads(threads_per_rank)`, its device (`cuda:{local_rank % count}`
-with nccl, the CPU with gloo) and a process group whose collectives give up after `timeout_s`.
+with nccl, the CPU with gloo), a process group whose collectives give up after `timeout_s`, and
+`ctx.store`, the rendezvous store, for waits that are not collectives (long file I/O, see
+tinylm/parallel/heartbeat.py).
 Processes started here meet through a file in a fresh temporary folder, so two runs on one machine
 never collide; a MASTER_ADDR/MASTER_PORT passed in or set in the environment is used instead when
 given. A rank that finishes waits at a final barrier for the others before the group is destroyed.
 
 Failure: if any rank raises, exits non-zero or is killed, the remaining ranks are terminated and
 `launch` raises RankFailedError naming the failed rank and carrying its traceback. A rank that
-hangs outside a collective makes the others fail in their next collective after `timeout_s`, which
+hangs outside a collective makes the others fail in their next collective after `timeout_s` (or,
+while they wait for it through the store, once it has made no progress for `timeout_s`), which
 ends the job the same way. No process of the job is left running when `launch` returns or raises.
 
 `maybe_inject_fault(rank, step)` is a test-only switch driven by the TINYLM_FAULT variable, used
@@ -53,7 +56,9 @@ class RankContext:
 
     rank: global rank in [0, world_size); local_rank: index of this process on its machine;
     device: where this rank's tensors live; backend: "gloo", "nccl", or None when no process group
-    was created (a single process run in place).
+    was created (a single process run in place); store: a key-value store shared by the ranks
+    (the rendezvous store, under the prefix "tinylm/"), None without a process group; timeout_s:
+    the collective timeout, also the bound on a rank that stops making progress.
     """
 
     rank: int
@@ -61,6 +66,8 @@ class RankContext:
     world_size: int
     device: torch.device
     backend: str | None
+    store: dist.Store | None = None
+    timeout_s: float = 300.0
 
     @property
     def is_main(self) -> bool:
@@ -136,7 +143,7 @@ def launch(
 
     if world_size == 1:
         torch.set_num_threads(threads_per_rank)
-        fn(RankContext(0, 0, 1, device_for(backend, 0), None), *args)
+        fn(RankContext(0, 0, 1, device_for(backend, 0), None, timeout_s=timeout_s), *args)
         return
 
     rendezvous_dir = None
@@ -173,14 +180,14 @@ def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank,
     device = device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    fn(RankContext(rank, local_rank, world_size, device, backend), *args)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The rendezvous store, made here rather than inside init_process_group, so that the ranks can
+    # also use it for waits that are not collectives (see tinylm/parallel/heartbeat.py).
+    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    ctx = RankContext(rank, local_rank, world_size, device, backend, dist.PrefixStore("tinylm/", store), timeout_s)
+    fn(ctx, *args)
     dist.barrier()
     dist.destroy_process_group()
 

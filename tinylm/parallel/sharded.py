@@ -7,20 +7,34 @@ Every rank holds all parameters and (after DDP) the same averaged gradients. The
 split into disjoint shares balanced by element count: largest first, each to the rank with the
 fewest elements so far (ties to the lower rank), so every rank owns within one parameter's size
 of 1/world_size of the elements. Each rank runs a local `optimizer_cls` over its own share only,
-so its optimizer state (AdamW's two moments) is about 1/world_size of the whole. `step()` updates
-the owned share, then every parameter is broadcast from its owner so all ranks agree again.
+so its optimizer state (AdamW's two moments) is about 1/world_size of the whole.
+
+Parameters live in flat buffers, one per owner rank (and dtype and device): each parameter's data
+is a view into its owner's buffer, in global parameter order, every view aligned to 64 bytes.
+`step()` updates the owned share in place, then every owner's buffer travels in pieces of at most
+`bucket_size_mb` MiB, all broadcasts started asynchronously and waited on once: at most
+ceil(owner bytes / bucket bytes) collectives per owner, none per parameter. No copy is made: the
+broadcasts read and write the parameters themselves.
 
 `param_groups` are the full groups, as with any optimizer: a schedule that writes
 `group["lr"]` into every group reaches the local optimizer, because the hyperparameters of each
 group are copied into the matching local group before every step. `add_param_group` shares the
-new parameters out the same way.
+new parameters out the same way (and lays the buffers out again).
 
-Checkpoints: `state_dict()` is a collective (every rank must call it) and returns on every rank the
-consolidated state in the ordinary torch format, with state keyed by the global parameter index,
-so it loads into a plain AdamW. `load_state_dict()` takes such a full dict (from any world size, or
-from a plain optimizer) on every rank and keeps the state of the owned parameters.
+State dicts use torch's format, with state keyed by the global parameter index (counted through
+`param_groups` in order), so they load into a plain AdamW and come from one:
 
-Without an initialised process group this is a world of one: rank 0 owns everything.
+- `sharded_state_dict()` (a collective on metadata only) is that dict with this rank's own state
+  tensors and, for every other rank's, a tensor on the "meta" device of the right shape and
+  dtype. Checkpoints are written from it (tinylm/state.py), so the whole state never exists on one
+  rank.
+- `state_dict()` (a collective) consolidates the real tensors on every rank, tensor by tensor:
+  the whole optimizer state on every rank, meant for small models and tests.
+- `load_state_dict(d)` takes a full dict or any part of one (from any world size, or from a plain
+  optimizer) on every rank and keeps the state of the parameters it owns.
+
+Without an initialised process group this is a world of one: rank 0 owns everything and nothing
+is communicated or laid out again.
 """
 
 from __future__ import annotations
@@ -31,16 +45,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+_ALIGN_BYTES = 64
+
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Run `optimizer_cls(owned params, **kwargs)` on this rank's share and broadcast the results."""
 
-    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], bucket_size_mb: float = 25.0,
+                 **kwargs: Any):
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.optimizer_cls = optimizer_cls
+        self.bucket_size_mb = bucket_size_mb
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.owner: dict[nn.Parameter, int] = {}
         self._elements_per_rank = [0] * self.world_size
+        self._flat: list[tuple[int, torch.Tensor]] = []  # (owner rank, flat buffer of its parameters)
         self.local_optimizer: torch.optim.Optimizer | None = None
         # Optimizer.__init__ calls self.add_param_group for each group, which builds the local optimizer.
         super().__init__(params, defaults=kwargs)
@@ -57,6 +78,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.local_optimizer = self.optimizer_cls([local_group], **self.defaults)
         else:
             self.local_optimizer.add_param_group(local_group)
+        if self.world_size > 1:
+            self._lay_out_buffers()
 
     def _assign_owners(self, params: list[nn.Parameter]) -> None:
         """Give each parameter to the least-loaded rank, largest parameters first (deterministic)."""
@@ -66,49 +89,77 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.owner[params[i]] = rank
             self._elements_per_rank[rank] += params[i].numel()
 
+    @torch.no_grad()
+    def _lay_out_buffers(self) -> None:
+        """Move every parameter into its owner's flat buffer (one per owner, dtype and device)."""
+        runs: dict[tuple[int, torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in self._params():
+            runs.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
+        self._flat = []
+        for (owner, dtype, device), params in runs.items():  # the same order on every rank
+            align = max(1, _ALIGN_BYTES // params[0].element_size())
+            offsets, numel = [], 0
+            for p in params:
+                offsets.append(numel)
+                numel += -(-p.numel() // align) * align
+            flat = torch.zeros(numel, dtype=dtype, device=device)
+            for p, offset in zip(params, offsets, strict=True):
+                view = flat[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+            self._flat.append((owner, flat))
+
     @staticmethod
     def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
         return {key: value for key, value in group.items() if key != "params"}
 
+    def _params(self) -> list[nn.Parameter]:
+        """Every parameter, in global index order."""
+        return [p for group in self.param_groups for p in group["params"]]
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Update the owned parameters, then broadcast every parameter from its owner.
+        """Update the owned parameters, then broadcast every owner's buffer in buckets.
 
         A closure, if given, is evaluated by the local optimizer (on every rank).
         """
         for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             local_group.update(self._hyperparameters(group))
         loss = self.local_optimizer.step(closure)
-        if self.world_size > 1:
-            handles = [
-                dist.broadcast(p.detach(), src=self.owner[p], async_op=True)
-                for group in self.param_groups
-                for p in group["params"]
-            ]
-            for handle in handles:
-                handle.wait()
+        self.broadcast_parameters()
         return loss
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective: every rank must call it. Returns the full state on every rank, torch's format.
+    @torch.no_grad()
+    def broadcast_parameters(self) -> None:
+        """Collective: give every rank its owners' current parameter values (what `step()` ends with)."""
+        handles = []
+        for owner, flat in self._flat:
+            bucket = max(1, int(self.bucket_size_mb * 2**20) // flat.element_size())
+            for start in range(0, flat.numel(), bucket):
+                handles.append(dist.broadcast(flat[start : start + bucket], src=owner, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Collective (metadata only): torch's state dict format, real tensors for this rank's state.
 
         {"state": {global index: {name: value}}, "param_groups": [{..., "params": [global indices]}]},
-        indices counted through `param_groups` in order, exactly as `torch.optim.Optimizer.state_dict`
-        numbers them. State tensors are CPU copies.
+        exactly as `torch.optim.Optimizer.state_dict` numbers them. State of another rank's parameter
+        is a tensor on the meta device with the real shape and dtype; every rank sees the same
+        structure. This rank's tensors are the live state (not copies).
         """
-        index = self._global_index()
-        local_state = {
-            index[p]: {name: _to_cpu(value) for name, value in state.items()}
-            for p, state in self.local_optimizer.state.items()
-        }
+        index = {p: i for i, p in enumerate(self._params())}
+        local = {index[p]: state for p, state in self.local_optimizer.state.items()}
+        described = {i: {name: _describe(value) for name, value in state.items()} for i, state in local.items()}
         if self.world_size > 1:
             gathered: list[dict] = [{} for _ in range(self.world_size)]
-            dist.all_gather_object(gathered, local_state)
+            dist.all_gather_object(gathered, described)  # names, shapes, dtypes: no tensor data
         else:
-            gathered = [local_state]
+            gathered = [described]
         state = {}
-        for rank_state in gathered:
-            state.update(rank_state)
+        for rank, rank_state in enumerate(gathered):
+            for i, names in rank_state.items():
+                state[i] = dict(local[i]) if rank == self.rank else {name: _placeholder(d) for name, d in names.items()}
         param_groups = []
         for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             full_group = {**self._hyperparameters(local_group), **self._hyperparameters(group)}
@@ -116,11 +167,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
             param_groups.append(full_group)
         return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the consolidated state on every rank, torch's format, CPU tensors.
+
+        Each state tensor is broadcast from its owner in turn, so the whole optimizer state ends up
+        on every rank: meant for small models and tests. Checkpoints use `sharded_state_dict()`.
+        """
+        sharded = self.sharded_state_dict()
+        params = self._params()
+        for i, entry in sharded["state"].items():
+            device = params[i].device  # nccl broadcasts device tensors, so "step" travels there too
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.device.type == "meta":
+                    buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
+                else:
+                    buffer = value.detach().to(device, copy=True)
+                if self.world_size > 1:
+                    dist.broadcast(buffer, src=self.owner[params[i]])
+                entry[name] = buffer.cpu()
+        return sharded
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (from `state_dict()` or any plain optimizer of the same class).
 
-        Every rank passes the same full dict and keeps the state of the parameters it owns; group
-        hyperparameters are restored on every group. Not a collective.
+        Every rank passes the dict (or just the entries of the parameters it owns) and keeps the
+        state of its own parameters; group hyperparameters are restored on every group. Not a
+        collective.
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -148,10 +223,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.local_optimizer.state
 
-    def _global_index(self) -> dict[nn.Parameter, int]:
-        params = [p for group in self.param_groups for p in group["params"]]
-        return {p: i for i, p in enumerate(params)}
+
+def _describe(value: Any) -> Any:
+    """What another rank needs to know of a state value: (shape, dtype name) for a tensor, else itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    return ("value", value)
 
 
-def _to_cpu(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+def _placeholder(description: tuple) -> Any:
+    if description[0] == "tensor":
+        _, shape, dtype = description
+        return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    return description[1]
