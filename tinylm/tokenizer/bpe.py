@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 
@@ -88,11 +89,13 @@ def train_bpe(
     del words
     built = time.perf_counter()
     merges = merge_pairs(index, vocab, vocab_size - len(vocab), progress)
-    log.info(
-        "%s: pre-tokenized in %.1f s (%d distinct pre-tokens, %d bytes), index built in %.1f s, "
-        "%d merges in %.1f s", path, counted - start, num_words, len(index.tokens), built - counted,
-        len(merges), time.perf_counter() - built,
-    )  # fmt: skip
+    if progress:
+        print(
+            f"train_bpe {path}: pre-tokenized in {counted - start:.1f} s ({num_words:,} distinct pre-tokens), "
+            f"index of {len(index.tokens):,} positions built in {built - counted:.1f} s, "
+            f"{len(merges):,} merges in {time.perf_counter() - built:.1f} s",
+            file=sys.stderr,
+        )
     if len(vocab) < vocab_size:
         log.warning(
             "%s: no pairs left to merge; vocabulary has %d of %d tokens", path, len(vocab), vocab_size
