@@ -117,6 +117,7 @@ class EvaluateConfig:
 
     batch_size: int = field(default=32, metadata=_range(1))
     threads: int = field(default=2, metadata=_range(1))
+    max_tokens: int | None = field(default=None, metadata=_range(2))
 
 
 @dataclass
