@@ -30,11 +30,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_corpus(cfg: Config, a: argparse.Namespace) -> None:
-    from dataclasses import asdict
-
     from tinylm.corpus import prepare_corpus
 
-    prepare_corpus(asdict(cfg.corpus), a.train_out, a.valid_out)
+    prepare_corpus(cfg.corpus, a.train_out, a.valid_out)
 
 
 def cmd_train_tokenizer(cfg: Config, a: argparse.Namespace) -> None:
