@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinylm.tokenizer import Tokenizer, train_bpe, train_tokenizer
-from tinylm.tokenizer import bpe as bpe_module
+from tinylm.tokenizer import pair_index as pair_index_module
 from tinylm.tokenizer import pretokenize as pretokenize_module
 from tinylm.tokenizer.pretokenize import find_chunk_boundaries, pretokenize
 
@@ -144,7 +144,7 @@ def test_train_bpe_matches_the_reference_trainer_on_generated_corpora(tmp_path, 
     with open(path, "wb") as f:
         make_corpus.generate(profile, 400_000, f, seed=3, num_workers=1, batch_words=20_000)
     monkeypatch.setattr(pretokenize_module, "CHUNK_BYTES", 50_000)
-    monkeypatch.setattr(bpe_module.PairIndex, "BUILD_POSITIONS", 10_007)
+    monkeypatch.setattr(pair_index_module.PairIndex, "BUILD_POSITIONS", 10_007)
     counts = pretokenize_module.count_pretokens(path, ["<|endoftext|>"], num_workers=1, progress=False)
     expected = reference_merges(counts, 1, 1500 - 257)
     vocab, merges = train_bpe(path, 1500, ["<|endoftext|>"], num_workers=1, progress=False)
@@ -157,8 +157,8 @@ def test_eager_compaction_and_tiny_build_slices_keep_the_merges(tmp_path, monkey
     # Compacting a record as soon as it holds more than 4 entries per occurrence left (and the
     # byte-pair table once most bytes are merged), and building in slices of a few positions, must
     # not change a merge: the pruned entries are exactly the ones that no longer hold their pair.
-    monkeypatch.setattr(bpe_module.PairIndex, "COMPACT_MIN", 0)
-    monkeypatch.setattr(bpe_module.PairIndex, "BUILD_POSITIONS", 5)
+    monkeypatch.setattr(pair_index_module.PairIndex, "COMPACT_MIN", 0)
+    monkeypatch.setattr(pair_index_module.PairIndex, "BUILD_POSITIONS", 5)
     rng = random.Random(seed)
     pieces = ["a", "b", "ab", "ba", "aaaa", "abab", " ", "  ", "-", "--", "é", "x", "\n", "<|e|>"]
     text = "".join(rng.choice(pieces) for _ in range(2000))

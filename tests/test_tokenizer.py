@@ -302,6 +302,17 @@ def test_encode_iterable_memory_stays_bounded(trained, monkeypatch):
     assert peak < 500_000, f"peak {peak} bytes while streaming 1.5 MB"
 
 
+def test_a_small_pre_token_cache_gives_the_same_ids(trained):
+    # With room for 3 pre-tokens, every call starts a new cache generation and most pre-tokens are
+    # encoded again or moved over from the old generation; the ids must not change.
+    tok = trained[0]
+    small = Tokenizer(tok.vocab, tok.merges, SPECIALS, cache_size=3)
+    rng = random.Random(6)
+    texts = [make_text(rng, 2_000, specials=SPECIALS) for _ in range(20)]
+    assert [small.encode(t) for t in texts + texts] == [tok.encode(t) for t in texts + texts]
+    assert len(small._cache.current) < 2_000 and small._cache.old  # bounded: two generations
+
+
 # --- files -----------------------------------------------------------------------------------------
 
 

@@ -19,10 +19,13 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from itertools import chain, pairwise, repeat
 from pathlib import Path
+
+import numpy as np
 
 from tinylm.io import atomic_write_text
 from tinylm.tokenizer.pretokenize import (
@@ -89,21 +92,29 @@ class Tokenizer:
             self._merged_id.append(token_ids[a + b])
 
         self._special_re = special_token_regex(self.special_tokens)
-        self._cache = _PieceCache(self._encode_piece, cache_size)
+        self._special_bytes = {t: array("I", [i]).tobytes() for t, i in self.special_ids.items()}
+        self._cache = _PieceCache(cache_size)
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`: special tokens map to their ids, everything else goes through BPE."""
-        ids: list[int] = []
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as a 1-D array of C unsigned ints (no Python int per token).
+
+        The ids of each distinct pre-token are kept in the cache as the bytes of such an array, so
+        that the ids of the whole text are one `bytes.join`; the pre-tokens not in the cache are
+        encoded first.
+        """
         parts = split_on_special(text, self._special_re)
-        pieces_to_ids = self._cache.__getitem__
+        pieces = [find_pretokens(part) if i % 2 == 0 and part else [] for i, part in enumerate(parts)]
+        lookup = self._cache.fill(chain.from_iterable(pieces), self._encode_pieces)
+        out = []
         for i, part in enumerate(parts):
-            if i % 2:
-                ids.append(self.special_ids[part])
-            elif part:
-                ids.extend(chain.from_iterable(map(pieces_to_ids, find_pretokens(part))))
-        return ids
+            out.append(self._special_bytes[part] if i % 2 else b"".join(map(lookup, pieces[i])))
+        return np.frombuffer(b"".join(out), dtype=np.uintc)
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Lazily encode an iterable of strings (lines, or a text file handle) as one text.
@@ -131,6 +142,10 @@ class Tokenizer:
                 yield from self.encode(buffer[:cut])
                 buffer = buffer[cut:]
         yield from self.encode(buffer + "".join(pending))
+
+    def _encode_pieces(self, pieces: list[str]) -> dict[str, bytes]:
+        """{pre-token: the bytes of its ids as C unsigned ints} for distinct `pieces`."""
+        return {piece: array("I", self._encode_piece(piece)).tobytes() for piece in pieces}
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """Ids of one pre-token: merge the adjacent pair of lowest rank until no pair has a merge.
@@ -259,20 +274,31 @@ class Tokenizer:
 _NO_MERGE = 1 << 62
 
 
-class _PieceCache(dict):
-    """pre-token -> ids; a miss computes the ids. Cleared when full, so memory stays bounded."""
+class _PieceCache:
+    """pre-token -> the bytes of its ids, in two generations, so that memory stays bounded.
 
-    def __init__(self, compute, max_size: int):
-        super().__init__()
-        self._compute = compute
-        self._max_size = max_size
+    When the current generation holds `max_size` pieces (checked at the start of each `fill`), it
+    becomes the old one and a new one starts; pieces found in the old generation move to the new
+    one, so frequent pieces are never encoded twice.
+    """
 
-    def __missing__(self, piece: str) -> tuple[int, ...]:
-        ids = self._compute(piece)
-        if len(self) >= self._max_size:
-            self.clear()
-        self[piece] = ids
-        return ids
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self.current: dict[str, bytes] = {}
+        self.old: dict[str, bytes] = {}
+
+    def fill(self, pieces: Iterable[str], encode: Callable[[list[str]], dict[str, bytes]]) -> Callable:
+        """Make sure every piece is in the current generation; return its lookup function."""
+        if len(self.current) >= self.max_size:
+            self.old, self.current = self.current, {}
+        missing = set(pieces).difference(self.current)
+        if missing:
+            found = missing.intersection(self.old)
+            self.current.update((piece, self.old[piece]) for piece in found)
+            missing -= found
+            if missing:
+                self.current.update(encode(list(missing)))
+        return self.current.__getitem__
 
 
 @cache
