@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from itertools import chain, pairwise, repeat
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,6 +42,8 @@ FORMAT_VERSION = 1
 
 # encode_iterable encodes its input in pieces of about this many characters.
 STREAM_CHUNK_CHARS = 1 << 16
+# From this many new pre-tokens on, they are encoded together with arrays (`_encode_together`).
+TOGETHER_PIECES = 256
 
 
 class Tokenizer:
@@ -94,6 +97,7 @@ class Tokenizer:
         self._special_re = special_token_regex(self.special_tokens)
         self._special_bytes = {t: array("I", [i]).tobytes() for t, i in self.special_ids.items()}
         self._cache = _PieceCache(cache_size)
+        self._table: _MergeTable | None = None
 
     # --- encoding -----------------------------------------------------------------------------
 
@@ -144,8 +148,63 @@ class Tokenizer:
         yield from self.encode(buffer + "".join(pending))
 
     def _encode_pieces(self, pieces: list[str]) -> dict[str, bytes]:
-        """{pre-token: the bytes of its ids as C unsigned ints} for distinct `pieces`."""
-        return {piece: array("I", self._encode_piece(piece)).tobytes() for piece in pieces}
+        """{pre-token: the bytes of its ids as C unsigned ints} for distinct `pieces`.
+
+        A few go one by one (`_encode_piece`), many all at once (`_encode_together`): same ids.
+        """
+        if len(pieces) < TOGETHER_PIECES:
+            return {piece: array("I", self._encode_piece(piece)).tobytes() for piece in pieces}
+        return self._encode_together(pieces)
+
+    def _encode_together(self, pieces: list[str]) -> dict[str, bytes]:
+        """`_encode_piece` for many pre-tokens at once, with arrays: one merge per piece per round.
+
+        All pieces sit in one array of ids. Each round looks up the rank of every adjacent pair
+        within a piece, and in every piece merges the leftmost pair of lowest rank, exactly the
+        step `_encode_piece` takes; pieces with no pair left to merge are done and leave the
+        arrays. The rounds are as many as the most merges one piece needs, not one per merge.
+        """
+        table = self._merge_table()
+        encoded = [piece.encode("utf-8") for piece in pieces]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = table.byte_ids[np.frombuffer(b"".join(encoded), dtype=np.uint8)]
+        owner = np.repeat(np.arange(len(pieces)), lengths)  # the piece of each position
+        rank = table.rank_of_pairs(ids, owner, np.arange(len(ids)))  # of the pair starting there
+        done_owner, done_ids = [], []
+        while len(ids):
+            starts = np.flatnonzero(rank < _NO_MERGE)
+            merging = np.zeros(len(pieces), dtype=bool)
+            merging[owner[starts]] = True
+            finished = ~merging[owner]
+            done_owner.append(owner[finished])
+            done_ids.append(ids[finished])
+            if not len(starts):
+                break
+            # The leftmost pair of lowest rank of each piece: the smallest rank * n + position.
+            n = len(ids)
+            groups = np.flatnonzero(np.concatenate([[True], owner[starts][1:] != owner[starts][:-1]]))
+            best = np.minimum.reduceat(rank[starts] * n + starts, groups)
+            at, best_rank = best % n, best // n
+            ids[at] = table.merged[best_rank]
+            keep = ~finished
+            keep[at + 1] = False
+            new_at = np.cumsum(keep)[at] - 1
+            ids, owner, rank = ids[keep], owner[keep], rank[keep]
+            # Only the pairs that start at the merged token and just before it change.
+            changed = np.concatenate([new_at - 1, new_at])
+            changed = changed[changed >= 0]
+            rank[changed] = table.rank_of_pairs(ids, owner, changed)
+        owner, ids = np.concatenate(done_owner), np.concatenate(done_ids)
+        order = np.argsort(owner, kind="stable")  # each piece's ids in order, pieces in order
+        data = ids[order].astype(np.uintc).tobytes()
+        ends = np.cumsum(np.bincount(owner, minlength=len(pieces))) * np.dtype(np.uintc).itemsize
+        return {piece: data[start:end] for piece, start, end in zip(pieces, [0, *ends[:-1].tolist()], ends.tolist(), strict=True)}
+
+    def _merge_table(self) -> _MergeTable:
+        """The merges as arrays (built on first use by `_encode_together`)."""
+        if self._table is None:
+            self._table = _MergeTable.build(max(self.vocab) + 1, self._rank_of, self._merged_id, self._byte_ids)
+        return self._table
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """Ids of one pre-token: merge the adjacent pair of lowest rank until no pair has a merge.
@@ -299,6 +358,53 @@ class _PieceCache:
             if missing:
                 self.current.update(encode(list(missing)))
         return self.current.__getitem__
+
+
+class _MergeTable(NamedTuple):
+    """The merges for `_encode_together`: ranks by pair in an open-addressing hash table."""
+
+    size: int  # ids are below this; a pair's key is left * size + right
+    slot_keys: np.ndarray  # 2**bits slots: a key, or -1 for an empty slot
+    slot_ranks: np.ndarray  # the rank of the merge of that key
+    bits: int
+    merged: np.ndarray  # rank -> id of the merged token
+    byte_ids: np.ndarray  # byte value -> its id
+
+    @classmethod
+    def build(cls, size: int, rank_of: dict[tuple[int, int], int], merged: list[int], byte_ids: list[int]):
+        bits = max(4, (4 * len(rank_of)).bit_length())  # at most a quarter of the slots in use
+        slot_keys = np.full(1 << bits, -1, dtype=np.int64)
+        slot_ranks = np.zeros(1 << bits, dtype=np.int64)
+        keys = np.array([a * size + b for a, b in rank_of] or [0], dtype=np.int64)[: len(rank_of)]
+        mask = (1 << bits) - 1
+        for key, slot, rank in zip(keys.tolist(), cls._slots(keys, bits).tolist(), rank_of.values(), strict=True):
+            while slot_keys[slot] != -1:  # linear probing
+                slot = (slot + 1) & mask
+            slot_keys[slot], slot_ranks[slot] = key, rank
+        return cls(size, slot_keys, slot_ranks, bits, np.array(merged or [0], dtype=np.int64),
+                   np.array(byte_ids, dtype=np.int64))
+
+    @staticmethod
+    def _slots(keys: np.ndarray, bits: int) -> np.ndarray:
+        """Fibonacci hashing: the top `bits` bits of key * 2**64 / golden ratio."""
+        return ((keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.int64)
+
+    def rank_of_pairs(self, ids: np.ndarray, owner: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The merge rank of the pair (ids[p], ids[p + 1]) for p in `starts`; _NO_MERGE where the
+        pair has no merge or p + 1 is in another piece (or past the end)."""
+        nexts = np.minimum(starts + 1, len(ids) - 1)
+        keys = ids[starts] * self.size + ids[nexts]
+        ranks = np.full(len(starts), _NO_MERGE, dtype=np.int64)
+        pending = np.flatnonzero((owner[starts] == owner[nexts]) & (starts + 1 < len(ids)))
+        slots = self._slots(keys[pending], self.bits)
+        mask = (1 << self.bits) - 1
+        while len(pending):  # probe until the key or an empty slot is found
+            found = self.slot_keys[slots]
+            hit = found == keys[pending]
+            ranks[pending[hit]] = self.slot_ranks[slots[hit]]
+            going_on = ~hit & (found != -1)
+            pending, slots = pending[going_on], (slots[going_on] + 1) & mask
+        return ranks
 
 
 @cache
