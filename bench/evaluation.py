@@ -1,0 +1,114 @@
+"""Evaluation speed: seconds per million validation tokens for the default model, and what a rerun costs.
+
+    python bench/evaluation.py [--tokens 1000000] [--device cpu|cuda]
+
+The default config's model (vocab 2048, context 256, d_model 128, 4 layers, 4 heads, d_ff 344),
+randomly initialized (speed does not depend on the weights), published as checkpoints the way
+training publishes them; validation tokens: `--tokens` ids of a tokenizer trained at vocab 2048 on
+text from bench/make_corpus.py (stories). Measured, in one process:
+1. evaluating two checkpoints from scratch (with an empty cache folder);
+2. the rerun after one more checkpoint: only the new one is scored;
+3. a rerun with nothing new: every checkpoint is read from the cache.
+On the CPU with `evaluate.threads` torch threads and float32; on CUDA in bfloat16 (the checkpoints'
+`train.dtype`). Prints Markdown for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tinylm import state as state_lib
+from tinylm.config import Config
+from tinylm.evaluation import evaluate_checkpoints
+from tinylm.model import Transformer
+from tinylm.tokenizer import Tokenizer, encode_corpus, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_corpus(path: Path, size: int) -> None:
+    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "bench" / "make_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(path, "wb") as f:
+        module.generate("stories", size, f, seed=1)
+
+
+def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> Path:
+    for step in steps:
+        torch.manual_seed(step)
+        model = Transformer(**model_config)
+        payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step,
+                   "model_config": model_config, "rng": []}
+        manifest = {"world_size": 1, "config": {"train": {"dtype": dtype}}}
+        state_lib.commit(folder / "state", step, payload, manifest, keep=100)
+    state_lib.publish(folder / "state", folder / "checkpoints")
+    return folder / "checkpoints"
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="validation tokens scored")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    cfg = Config()
+    torch.set_num_threads(cfg.evaluate.threads)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    model_config = {"vocab_size": cfg.tokenizer.vocab_size, **dataclasses.asdict(cfg.model)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        make_corpus(folder / "text.txt", args.tokens * 5)  # about 4 bytes per token at vocab 2048
+        tokenizer = train_tokenizer(folder / "text.txt", folder / "tokenizer.json", cfg.tokenizer.vocab_size,
+                                    cfg.tokenizer.special_tokens, progress=False)
+        num_tokens = encode_corpus(tokenizer, folder / "text.txt", folder / "valid.npy", progress=False)
+        tokenizer = Tokenizer.load(folder / "tokenizer.json")
+        scored = min(args.tokens, num_tokens)
+        cache = folder / "eval_cache"
+
+        def evaluate(steps):
+            ckpt = publish(folder, steps, model_config, dtype)
+            return evaluate_checkpoints(ckpt, folder / "valid.npy", tokenizer, cfg.evaluate.batch_size, args.device,
+                                        max_tokens=args.tokens, cache_dir=cache)
+
+        first, table = timed(lambda: evaluate([1, 2]))
+        more, _ = timed(lambda: evaluate([1, 2, 3]))
+        again, _ = timed(lambda: evaluate([1, 2, 3]))
+
+    per_checkpoint = first / 2
+    print(f"## Evaluation speed ({time.strftime('%Y-%m-%d %H:%M')})\n")
+    print(f"- model: the default config's, {sum(p.numel() for p in Transformer(**model_config).parameters()):,} "
+          f"parameters; {scored:,} validation tokens in windows of {cfg.model.context_length + 1}, "
+          f"batch {cfg.evaluate.batch_size}")
+    print(f"- device: {args.device} ({dtype}), torch {torch.__version__}, {cfg.evaluate.threads} threads, "
+          f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores; load average "
+          f"{os.getloadavg()[0]:.2f}\n")
+    print("| run | checkpoints scored | seconds |\n|---|---:|---:|")
+    print(f"| two checkpoints, empty cache | 2 | {first:.2f} |")
+    print(f"| rerun after one more checkpoint | 1 | {more:.2f} |")
+    print(f"| rerun, nothing new | 0 | {again:.2f} |")
+    print()
+    print(f"- **{per_checkpoint / scored * 1e6:.1f} s per million validation tokens** per checkpoint")
+    print(f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** one checkpoint's evaluation; "
+          f"with nothing new {again:.2f} s (hashing the checkpoints and the tokens)")
+    print(f"- final row: {table.iloc[-1].to_dict()}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
