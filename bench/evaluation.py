@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import platform
 import sys
@@ -37,11 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_corpus(path: Path, size: int) -> None:
-    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "bench" / "make_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import make_corpus
+
     with open(path, "wb") as f:
-        module.generate("stories", size, f, seed=1)
+        make_corpus.generate("stories", size, f, seed=1)
 
 
 def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> Path:
@@ -82,14 +81,15 @@ def main() -> None:
         scored = min(args.tokens, num_tokens)
         cache = folder / "eval_cache"
 
-        def evaluate(steps):
-            ckpt = publish(folder, steps, model_config, dtype)
-            return evaluate_checkpoints(ckpt, folder / "valid.npy", tokenizer, cfg.evaluate.batch_size, args.device,
-                                        max_tokens=args.tokens, cache_dir=cache)
+        def evaluate():
+            return evaluate_checkpoints(folder / "checkpoints", folder / "valid.npy", tokenizer, cfg.evaluate.batch_size,
+                                        args.device, max_tokens=args.tokens, cache_dir=cache)
 
-        first, table = timed(lambda: evaluate([1, 2]))
-        more, _ = timed(lambda: evaluate([1, 2, 3]))
-        again, _ = timed(lambda: evaluate([1, 2, 3]))
+        publish(folder, [1, 2], model_config, dtype)
+        first, table = timed(evaluate)
+        publish(folder, [3], model_config, dtype)
+        more, _ = timed(evaluate)
+        again, _ = timed(evaluate)
 
     per_checkpoint = first / 2
     print(f"## Evaluation speed ({time.strftime('%Y-%m-%d %H:%M')})\n")
