@@ -54,10 +54,10 @@ _WHITESPACE_SPLIT_STR = regex.compile(_WHITESPACE_SPLIT)
 _WHITESPACE_SPLIT_BYTES = regex.compile(_WHITESPACE_SPLIT.encode("ascii"))
 
 # Text is read and decoded this many bytes at a time (bounds a worker's memory for the text).
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 # Counting: a task counts about this many chunks into one Counter and returns it. Fewer, larger
 # results mean less pickling and merging in the main process, which runs beside the workers.
-TASK_CHUNKS = 16
+TASK_CHUNKS = 64
 
 
 def default_num_workers() -> int:
