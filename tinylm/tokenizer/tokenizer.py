@@ -4,7 +4,9 @@ Encoding splits the text on special tokens (longest match wins), cuts the rest i
 the GPT-2 regex, and turns each pre-token into ids by applying merges in order of rank (the order in
 which training created them): repeatedly merge every occurrence of the adjacent pair with the lowest
 rank. This is the algorithm of GPT-2, Hugging Face `tokenizers` and (for BPE-trained vocabularies)
-tiktoken. Pre-tokens repeat a lot, so their ids are cached.
+tiktoken. Pre-tokens repeat a lot, so their ids are cached, as the bytes of an array of ids: the
+ids of a whole text are then one `bytes.join`, with no Python int per token. The pre-tokens of a
+text that miss the cache are encoded first, all at once with arrays when there are many.
 
 Files:
 - `save` / `load`: one JSON file (`tokenizer.json`, format "tinylm.tokenizer", version 1). Token
@@ -50,8 +52,8 @@ class Tokenizer:
     """Byte-level BPE tokenizer over `vocab` (id -> bytes) and `merges` (byte pairs, by rank).
 
     Special tokens missing from `vocab` are added with new ids. Every merge must join two tokens of
-    the vocabulary into a third one; ValueError otherwise. `cache_size` bounds the number of
-    pre-tokens whose ids are remembered (the cache is emptied when it is full).
+    the vocabulary into a third one; ValueError otherwise. The ids of up to 2 * `cache_size`
+    distinct pre-tokens are remembered (see `_PieceCache`), which bounds the memory of encoding.
     """
 
     def __init__(
@@ -59,7 +61,7 @@ class Tokenizer:
         vocab: dict[int, bytes],
         merges: Sequence[tuple[bytes, bytes]],
         special_tokens: Sequence[str] | None = None,
-        cache_size: int = 1 << 18,
+        cache_size: int = 1 << 19,
     ):
         self.vocab = dict(vocab)
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
