@@ -132,6 +132,9 @@ class Profile:
         self.zipf_exponent = 1.1 if stories else 1.05
         self.words = table.add(lexicon)
         self.capitalized = table.add([w.capitalize() for w in lexicon])
+        # The most common slot, a lexicon word and a space, as one piece: fewer pieces to gather.
+        self.words_spaced = table.add([w + " " for w in lexicon])
+        self.capitalized_spaced = table.add([w.capitalize() + " " for w in lexicon])
         separators = STORY_SEPARATORS if stories else WEB_SEPARATORS
         self.separators = table.add([s for s, _ in separators])
         self.separator_p = np.array([p for _, p in separators]) / sum(p for _, p in separators)
@@ -243,16 +246,22 @@ class Profile:
         ranks = self._zipf(n, len(self.words))
         pieces = np.full((n, 7), -1, dtype=np.int32)
         pieces[:, 0] = np.where(starts, self.capitalized[ranks], self.words[ranks])
-        kinds = self.rng.random(n)
-        low = 0.0
-        for probability, make in self.kinds:
-            chosen = np.flatnonzero((kinds >= low) & (kinds < low + probability))
+        pieces[:, 6] = self.separators[separators]
+        spaced = separators == 0  # " " (the first separator of both profiles)
+        pieces[spaced, 0] += self.words_spaced[0] - self.words[0]  # the same word, with its space
+        pieces[spaced, 6] = -1
+        # A few slots are other kinds of words, each kind with its probability.
+        draws = self.rng.random(n)
+        bounds = np.cumsum([probability for probability, _ in self.kinds])
+        special = np.flatnonzero(draws < bounds[-1])
+        kind_of = np.searchsorted(bounds, draws[special], side="right")
+        for k, (_, make) in enumerate(self.kinds):
+            chosen = special[kind_of == k]
             pieces[chosen, :6] = make(len(chosen))
-            low += probability
+            pieces[chosen, 6] = self.separators[separators[chosen]]
         # Documents end at sentence ends; the last one of the batch ends the last document.
         ends = np.flatnonzero(self.sentence_end[separators])
         document_ends = ends[self.rng.random(len(ends)) < self.end_document_p]
-        pieces[:, 6] = self.separators[separators]
         pieces[document_ends, 6] = self.document_end_then_next[separators[document_ends]]
         pieces[-1, 6] = self.document_end[separators[-1]]
         ids = pieces.ravel()
