@@ -8,7 +8,8 @@ training publishes them; validation tokens: `--tokens` ids of a tokenizer traine
 text from bench/make_corpus.py (stories). Measured, in one process:
 1. evaluating two checkpoints from scratch (with an empty cache folder);
 2. the rerun after one more checkpoint: only the new one is scored;
-3. a rerun with nothing new: every checkpoint is read from the cache.
+3. a rerun with nothing new: every checkpoint is read from the cache;
+4. the peer: the same windows of one checkpoint scored by a plain PyTorch loop (F.cross_entropy).
 On the CPU with `evaluate.threads` torch threads and float32; on CUDA in bfloat16 (the checkpoints'
 `train.dtype`). Prints Markdown for bench/RESULTS.md.
 """
@@ -24,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tinylm import state as state_lib
 from tinylm.config import Config
@@ -53,6 +56,29 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
         state_lib.commit(folder / "state", step, payload, manifest, keep=100)
     state_lib.publish(folder / "state", folder / "checkpoints")
     return folder / "checkpoints"
+
+
+@torch.inference_mode()
+def plain_torch_loss(checkpoint: Path, valid: Path, max_tokens: int, batch_size: int, device: str) -> float:
+    """The peer: the same windows scored by a plain loop with F.cross_entropy (sum), one checkpoint,
+    loading included (as in the evaluation)."""
+    payload, _ = state_lib.load_verified(checkpoint, map_location=device)
+    config = payload["model_config"]
+    model = Transformer(**config, device=device)
+    model.load_state_dict(payload["model"])
+    model.eval()
+    tokens = np.load(valid, mmap_mode="r")[:max_tokens]
+    t = config["context_length"]
+    total = 0.0
+    windows = [np.asarray(tokens[s : s + t + 1], dtype=np.int64) for s in range(0, len(tokens) - 1, t)]
+    full = [w for w in windows if len(w) == t + 1]
+    batches = [full[b : b + batch_size] for b in range(0, len(full), batch_size)]
+    batches += [[w] for w in windows if len(w) < t + 1]  # the short last window
+    for batch in batches:
+        x = torch.from_numpy(np.stack(batch)).to(device)
+        logits = model(x[:, :-1])
+        total += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+    return total
 
 
 def timed(fn):
@@ -90,6 +116,8 @@ def main() -> None:
         publish(folder, [3], model_config, dtype)
         more, _ = timed(evaluate)
         again, _ = timed(evaluate)
+        plain, plain_loss = timed(lambda: plain_torch_loss(folder / "checkpoints" / "step_1.pt", folder / "valid.npy",
+                                                           args.tokens, cfg.evaluate.batch_size, args.device))
 
     per_checkpoint = first / 2
     print(f"## Evaluation speed ({time.strftime('%Y-%m-%d %H:%M')})\n")
@@ -105,6 +133,9 @@ def main() -> None:
     print(f"| rerun, nothing new | 0 | {again:.2f} |")
     print()
     print(f"- **{per_checkpoint / scored * 1e6:.1f} s per million validation tokens** per checkpoint")
+    print(f"- the same windows scored by a plain PyTorch loop (`F.cross_entropy`, sum) for one checkpoint: "
+          f"{plain:.2f} s; tinylm's evaluation per checkpoint / that: **{per_checkpoint / plain:.2f}x** "
+          f"(summed loss {plain_loss:.6g} vs {table.iloc[0]['val_loss'] * (scored - 1):.6g} nats)")
     print(f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** one checkpoint's evaluation; "
           f"with nothing new {again:.2f} s (hashing the checkpoints and the tokens)")
     print(f"- final row: {table.iloc[-1].to_dict()}", file=sys.stderr)
