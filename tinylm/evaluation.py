@@ -1,116 +1,282 @@
-"""Exact validation metrics of every checkpoint: fixed, non-overlapping windows over the whole file.
+"""Exact validation metrics of every checkpoint: fixed, non-overlapping windows over the validation tokens.
 
-The validation tokens are cut into consecutive windows of `context_length + 1` tokens that share
-their boundary token (window i covers tokens[i*T : i*T + T + 1]), so every token after the first is
-predicted exactly once, with as much context as its window gives. No sampling: the numbers are
-exact and reproducible. Bits per byte divides the summed loss (in bits) by the UTF-8 bytes of the
-predicted tokens, which makes it comparable across vocabularies.
+The scored tokens (the first `max_tokens` of valid.npy, default all of them) are cut into
+consecutive windows of `context_length + 1` tokens that share their boundary token (window i covers
+tokens[i*T : i*T + T + 1]), so every token after the first is predicted exactly once, with as much
+context as its window gives; only the last window can be shorter. No sampling: the numbers are
+exact and reproducible.
+
+- `val_loss`: the mean cross-entropy (nats) over every predicted token, special tokens included.
+- `bits_per_byte`: the summed loss in bits over the predicted tokens that are not special tokens,
+  divided by their UTF-8 bytes. Special tokens (`<|endoftext|>`, which the corpus stage inserts
+  between documents) are not text: they count 0 bytes and their loss is left out (the convention
+  of nanochat), which makes the figure comparable across tokenizers and corpora.
+- `unigram_entropy`: the entropy of the scored tokens' empirical distribution, the loss of the
+  best context-free model; `gap_to_unigram` = unigram_entropy - val_loss.
+
+On a CUDA device the forward pass runs under autocast in the checkpoint's training dtype
+(`train.dtype`, resolved for the device); on the CPU always in float32. Per-token losses are
+computed in float32 and summed in float64.
+
+A checkpoint already scored (same weights, same scored tokens, same settings) is not scored
+again: its sums are kept in a cache folder outside Snakemake's declared outputs (Snakemake deletes
+those before a rerun), one small JSON file per checkpoint, written atomically. So evaluating after
+more training costs only the new checkpoints. The key hashes the model's tensors, not the file:
+a step's published file changes when a newer step is published (the full state is cut to its
+weights), while its weights do not.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from tinylm import state as state_lib
 from tinylm.data import load_tokens
-from tinylm.io import atomic_path
+from tinylm.io import atomic_path, atomic_write_text
 from tinylm.model import Transformer
-from tinylm.nn_utils import cross_entropy
+from tinylm.precision import autocast, dtype_name, resolve_dtype
+from tinylm.tokenizer import Tokenizer
 
 COLUMNS = ["step", "tokens_seen", "val_loss", "val_ppl", "bits_per_byte", "unigram_entropy", "gap_to_unigram"]
 
+# Bumped whenever the scoring changes, so that older cache entries are not reused.
+CACHE_VERSION = 2
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats) of the empirical token distribution: the loss of the best context-free model."""
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+# Tokens read at a time when scanning the validation file (bounds the memory of the scan).
+SCAN_TOKENS = 1 << 24
 
 
-def token_byte_lengths(vocab: dict[int, bytes]) -> np.ndarray:
-    """UTF-8 byte length of every token id."""
-    lengths = np.zeros(max(vocab) + 1, dtype=np.int64)
-    for i, b in vocab.items():
+@dataclass
+class Scores:
+    """Sums over the predicted tokens of a token sequence (see `score_tokens`)."""
+
+    loss_sum: float  # nats, every predicted token
+    count: int  # predicted tokens
+    text_loss_sum: float  # nats, the predicted tokens that are not special tokens
+
+
+@dataclass
+class TokenStats:
+    """What the metrics need from the scored tokens themselves, found in one pass (see `scan_tokens`)."""
+
+    num_tokens: int
+    sha256: str  # of the scored tokens as uint16 bytes: identifies them for the cache
+    text_bytes: int  # UTF-8 bytes of the predicted tokens, special tokens counting 0
+    unigram_entropy: float
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 byte length of every token id, with 0 for the special tokens (they are not text)."""
+    lengths = np.zeros(max(tokenizer.vocab) + 1, dtype=np.int64)
+    for i, b in tokenizer.vocab.items():
         lengths[i] = len(b)
+    lengths[list(tokenizer.special_ids.values())] = 0
     return lengths
 
 
-@torch.no_grad()
-def exact_loss(model: Transformer, tokens: np.ndarray, context_length: int, batch_size: int,
-               device: torch.device | str = "cpu") -> tuple[float, int]:
-    """Summed cross-entropy (nats) over every predicted token of `tokens`, and their number."""
+def scan_tokens(tokens: np.ndarray, byte_lengths: np.ndarray) -> TokenStats:
+    """Hash, predicted bytes and unigram entropy of `tokens` (1-D uint16), reading it in slices."""
+    digest = hashlib.sha256()
+    counts = np.zeros(len(byte_lengths), dtype=np.int64)
+    for lo in range(0, len(tokens), SCAN_TOKENS):
+        chunk = np.asarray(tokens[lo : lo + SCAN_TOKENS], dtype=np.uint16)
+        digest.update(chunk.tobytes())
+        counts += np.bincount(chunk, minlength=len(counts))
+    text_bytes = int(counts @ byte_lengths)
+    if len(tokens):
+        text_bytes -= int(byte_lengths[int(tokens[0])])  # the first token is never predicted
+    p = counts[counts > 0] / max(1, counts.sum())
+    return TokenStats(len(tokens), digest.hexdigest(), text_bytes, float(-(p * np.log(p)).sum()))
+
+
+@torch.inference_mode()
+def score_tokens(model: torch.nn.Module, tokens: np.ndarray, context_length: int, batch_size: int,
+                 special_ids: list[int], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, progress: bool = False) -> Scores:
+    """Summed loss of every predicted token of `tokens`, in fixed windows (see the module docstring).
+
+    `model(ids[B, T]) -> logits[B, T, V]`; `tokens` is any 1-D integer array (a memory map is read
+    one batch of windows at a time). Windows of one batch share their length; the last window of
+    the sequence, if shorter, is scored on its own.
+    """
     model.eval()
     n = len(tokens)
-    starts = list(range(0, n - 1, context_length))
-    total, count = 0.0, 0
-    for b in range(0, len(starts), batch_size):
-        batch_starts = starts[b:b + batch_size]
-        # Windows in one batch share a length; only the last window of the file can be shorter.
-        full = [s for s in batch_starts if s + context_length + 1 <= n]
-        rest = [s for s in batch_starts if s + context_length + 1 > n]
-        for group, length in ((full, context_length + 1), *(([s], n - s) for s in rest)):
-            if not group:
-                continue
-            windows = np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in group])
-            w = torch.from_numpy(windows).to(device)
-            targets = w[:, 1:]
-            total += cross_entropy(model(w[:, :-1]).float(), targets).item() * targets.numel()
+    num_windows = max(0, -(-(n - 1) // context_length))
+    special = torch.tensor(sorted(special_ids), dtype=torch.int64, device=device)
+    loss_sum = text_loss_sum = 0.0
+    count = 0
+    span = np.arange(context_length + 1)
+    for first in tqdm(range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=not progress):
+        starts = np.arange(first, min(first + batch_size, num_windows)) * context_length
+        full = starts[starts + context_length + 1 <= n]
+        groups = [tokens[full[:, None] + span]] if len(full) else []
+        if len(full) < len(starts):  # the short last window of the sequence
+            groups.append(np.asarray(tokens[starts[-1]:])[None, :])
+        for windows in groups:
+            w = torch.from_numpy(np.asarray(windows, dtype=np.int64)).to(device)
+            inputs, targets = w[:, :-1], w[:, 1:]
+            with autocast(device, dtype):
+                logits = model(inputs)
+            logits = logits.float()
+            losses = torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            losses = losses.double()
+            is_text = ~torch.isin(targets, special)
+            loss_sum += losses.sum().item()
+            text_loss_sum += losses[is_text].sum().item()
             count += targets.numel()
-    return total, count
+    return Scores(loss_sum, count, text_loss_sum)
 
 
 def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: str | os.PathLike,
-                         vocab: dict[int, bytes], batch_size: int = 32, device: str = "cpu") -> pd.DataFrame:
+                         tokenizer: Tokenizer, batch_size: int = 32, device: str = "cpu",
+                         max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
+                         progress: bool = False) -> pd.DataFrame:
     """One row per published checkpoint in `checkpoint_dir` (ascending step); see COLUMNS.
 
-    Each checkpoint is verified against its manifest and loaded with weights_only=True. Validation
-    data must use ids of this vocabulary.
+    Scores the first `max_tokens` validation tokens (default: all). Each checkpoint is verified
+    against its manifest and loaded with weights_only=True; validation data must use ids of this
+    tokenizer. With `cache_dir`, checkpoints scored before with the same settings are read from it.
     """
     steps = state_lib.published_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    vocab_size = len(vocab)
+    vocab_size = len(tokenizer.vocab)
     tokens = load_tokens(valid_tokens_path, vocab_size)
-    byte_len = token_byte_lengths(vocab)
-    predicted_bytes = int(byte_len[np.asarray(tokens[1:], dtype=np.int64)].sum())
-    entropy = unigram_entropy(tokens, vocab_size)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    if len(tokens) < 2:
+        raise ValueError(f"{valid_tokens_path}: {len(tokens)} validation tokens; at least 2 are needed")
+    stats = scan_tokens(tokens, token_byte_lengths(tokenizer))
+    if stats.text_bytes == 0:
+        raise ValueError(f"{valid_tokens_path}: the scored tokens hold no text, only special tokens")
+    special_ids = sorted(tokenizer.special_ids.values())
+    device = torch.device(device)
 
     rows = []
     for step in steps:
         path = Path(checkpoint_dir) / f"step_{step}.pt"
-        payload, _ = state_lib.load_verified(path, map_location=device)
+        payload, manifest = state_lib.load_verified(path, map_location="cpu")
         config = payload["model_config"]
         if config["vocab_size"] != vocab_size:
             raise ValueError(f"{path}: model vocabulary {config['vocab_size']} differs from the tokenizer's {vocab_size}")
-        model = Transformer(**config, device=device)
-        model.load_state_dict(payload["model"])
-        total, count = exact_loss(model, tokens, config["context_length"], batch_size, device)
-        loss = total / count
-        rows.append({
-            "step": step,
-            "tokens_seen": int(payload["tokens_seen"]),
-            "val_loss": loss,
-            "val_ppl": math.exp(loss),
-            "bits_per_byte": total / math.log(2) / predicted_bytes,
-            "unigram_entropy": entropy,
-            "gap_to_unigram": entropy - loss,
-        })
-        print(f"[evaluate] step {step}: val_loss {loss:.4f} ({count} tokens), "
-              f"{rows[-1]['bits_per_byte']:.3f} bits/byte, unigram entropy {entropy:.4f}", file=sys.stderr)
-    return pd.DataFrame(rows, columns=COLUMNS)
+        train_dtype = manifest.get("config", {}).get("train", {}).get("dtype", "float32")
+        dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
+        key = {
+            "version": CACHE_VERSION,
+            "weights_sha256": weights_sha256(payload["model"], config),
+            "tokens_sha256": stats.sha256,
+            "num_tokens": stats.num_tokens,
+            "special_ids": special_ids,
+            "batch_size": batch_size,
+            "device": device.type,
+            "dtype": dtype_name(dtype),
+            "torch": torch.__version__,
+        }
+        tokens_seen = int(payload["tokens_seen"])
+        scores = _read_cache(cache_dir, key)
+        if scores is None:
+            model = Transformer(**config, device=device)
+            model.load_state_dict(payload["model"])
+            scores = score_tokens(model, tokens, config["context_length"], batch_size, special_ids, device,
+                                  dtype, progress)
+            del model
+            _write_cache(cache_dir, key, scores)
+            how = f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}"
+        else:
+            how = "cached"
+        del payload
+        rows.append(_row(step, tokens_seen, scores, stats))
+        print(f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
+              f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})", file=sys.stderr)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table.attrs["notes"] = _notes(stats, special_ids, tokenizer)
+    return table
+
+
+def _row(step: int, tokens_seen: int, scores: Scores, stats: TokenStats) -> dict:
+    loss = scores.loss_sum / scores.count
+    return {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "val_loss": loss,
+        "val_ppl": math.exp(loss),
+        "bits_per_byte": scores.text_loss_sum / math.log(2) / stats.text_bytes,
+        "unigram_entropy": stats.unigram_entropy,
+        "gap_to_unigram": stats.unigram_entropy - loss,
+    }
+
+
+def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> list[str]:
+    names = ", ".join(t for t, i in tokenizer.special_ids.items() if i in special_ids) or "none"
+    return [
+        f"tinylm evaluation: {stats.num_tokens} validation tokens in fixed windows, {stats.num_tokens - 1} "
+        "predicted exactly once",
+        "val_loss: mean cross-entropy (nats) over every predicted token, special tokens included",
+        f"bits_per_byte: summed loss (bits) of the predicted tokens that are not special tokens ({names}) "
+        f"divided by their {stats.text_bytes} UTF-8 bytes; special tokens count 0 bytes (nanochat's convention)",
+        "unigram_entropy: entropy (nats) of the scored tokens' distribution; gap_to_unigram = it - val_loss",
+    ]
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor], model_config: dict) -> str:
+    """sha256 of a model: its config and, in key order, each tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256(json.dumps(model_config, sort_keys=True).encode())
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _cache_path(cache_dir: str | os.PathLike, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir) / f"{digest[:32]}.json"
+
+
+def _read_cache(cache_dir: str | os.PathLike | None, key: dict) -> Scores | None:
+    """The cached scores of `key`; None if not cached."""
+    if cache_dir is None:
+        return None
+    path = _cache_path(cache_dir, key)
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        if entry["key"] == key:
+            return Scores(**entry["scores"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or unreadable: score again (and overwrite it)
+    return None
+
+
+def _write_cache(cache_dir: str | os.PathLike | None, key: dict, scores: Scores) -> None:
+    if cache_dir is not None:
+        entry = {"key": key, "scores": asdict(scores)}
+        atomic_write_text(_cache_path(cache_dir, key), json.dumps(entry, indent=1, sort_keys=True) + "\n")
+
+
+def read_eval(csv_path: str | os.PathLike) -> pd.DataFrame:
+    """Read an eval.csv written by `write_eval` (its `#` header lines are notes)."""
+    return pd.read_csv(csv_path, comment="#")
 
 
 def write_eval(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: str | os.PathLike | None) -> None:
-    """Write the table as CSV (fixed float format) and the loss curve as PNG, both atomically."""
+    """Write the table as CSV (fixed float format; its notes as `#` lines first) and the loss curve
+    as PNG, both atomically."""
     with atomic_path(csv_path, suffix=".csv") as tmp:
-        table.to_csv(tmp, index=False, float_format="%.6f")
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            for note in table.attrs.get("notes", []):
+                f.write(f"# {note}\n")
+            table.to_csv(f, index=False, float_format="%.6f")
     if plot_path is None:
         return
     import matplotlib

@@ -199,7 +199,7 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     parts = [f"# tinylm samples: checkpoint step {step}, temperature {gen_cfg.temperature}, "
              f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"]
     if eval_path is not None:
-        rows = pd.read_csv(eval_path)
+        rows = pd.read_csv(eval_path, comment="#")  # eval.csv starts with `#` note lines
         row = rows[rows["step"] == step]
         if row.empty:
             raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")

@@ -1,14 +1,20 @@
 """Byte-level BPE training (GPT-2 style), and the `train-tokenizer` stage.
 
 Training starts from the 256 single bytes. Every distinct pre-token ("word") of the corpus is a
-sequence of token ids with a count. Each step merges the most frequent adjacent pair of tokens into a
+sequence of tokens with a count. Each step merges the most frequent adjacent pair of tokens into a
 new token; ties go to the lexicographically greater pair of byte strings.
 
-Only the words that contain the merged pair change, so pair counts are kept up to date
-incrementally: `pair_counts` holds the count of every pair, `words_with` maps a pair to the words
-that (may) contain it, and a heap yields the best pair. Heap entries are checked lazily: counts of
-existing pairs only ever go down (every new pair contains the new token), so a popped entry whose
-count is out of date is pushed back with its current count.
+Built for corpora of gigabytes, where there are tens of millions of distinct pre-tokens:
+
+- Pre-tokens are counted in parallel, chunk by chunk (pretokenize.py); memory grows with the
+  distinct pre-tokens, not with the text. The Counter is packed into bytes and freed before the
+  merges start.
+- The words live in flat arrays, and where each pair occurs is recorded as merges make it, with
+  no Python object per word or per occurrence (pair_index.py).
+- Pair counts (weighted by word counts) are kept up to date incrementally in a dict, and a heap of
+  plain ints yields the best pair. Counts of existing pairs only ever go down (every new pair
+  contains the new token), so a popped heap entry whose count is out of date is pushed back with
+  its current count.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-from collections import defaultdict
+import sys
+import time
 from collections.abc import Sequence
-from itertools import pairwise
 
 from tqdm import tqdm
 
+from tinylm.tokenizer.pair_index import PairIndex, pack_words
 from tinylm.tokenizer.pretokenize import check_readable, check_special_tokens, count_pretokens
 from tinylm.tokenizer.tokenizer import Tokenizer
 
@@ -29,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # uint16 token files hold ids 0..65535.
 MAX_UINT16_VOCAB = 1 << 16
+
 
 
 def train_bpe(
@@ -55,17 +63,31 @@ def train_bpe(
     special_tokens = check_special_tokens(special_tokens)
     check_vocab_size(vocab_size, special_tokens)
     path = check_readable(input_path)
+    start = time.perf_counter()
     counts = count_pretokens(path, special_tokens, num_workers, errors=errors, progress=progress)
     if not any(not word.isspace() for word in counts):
         raise ValueError(
             f"{path}: the corpus has no text to train on (empty or only whitespace/special tokens)"
         )
+    num_words = len(counts)
+    counted = time.perf_counter()
 
     vocab = {i: bytes([i]) for i in range(256)}
     for token in special_tokens:
         vocab[len(vocab)] = token.encode("utf-8")
-    words = [list(word.encode("utf-8")) for word in counts]
-    merges = merge_pairs(words, list(counts.values()), vocab, vocab_size - len(vocab), progress)
+    words, word_counts = pack_words(counts)
+    del counts  # the packed words are a fraction of the Counter's memory
+    index = PairIndex(words, word_counts, vocab_size=max(vocab_size, len(vocab)))
+    del words
+    built = time.perf_counter()
+    merges = merge_pairs(index, vocab, vocab_size - len(vocab), progress)
+    if progress:
+        print(
+            f"train_bpe {path}: pre-tokenized in {counted - start:.1f} s ({num_words:,} distinct pre-tokens), "
+            f"index of {len(index.tokens):,} positions built in {built - counted:.1f} s, "
+            f"{len(merges):,} merges in {time.perf_counter() - built:.1f} s",
+            file=sys.stderr,
+        )
     if len(vocab) < vocab_size:
         log.warning(
             "%s: no pairs left to merge; vocabulary has %d of %d tokens", path, len(vocab), vocab_size
@@ -83,94 +105,63 @@ def check_vocab_size(vocab_size: int, special_tokens: Sequence[str]) -> None:
 
 
 def merge_pairs(
-    words: list[list[int]],
-    counts: list[int],
-    vocab: dict[int, bytes],
-    num_merges: int,
-    progress: bool = True,
+    index: PairIndex, vocab: dict[int, bytes], num_merges: int, progress: bool = True
 ) -> list[tuple[bytes, bytes]]:
-    """Run up to `num_merges` BPE merges over `words` (token-id lists with `counts`), in place.
+    """Run up to `num_merges` BPE merges on the words of `index`; return the merged byte pairs.
 
-    `vocab` holds ids 0..len(vocab)-1; each merge adds the next id. Returns the merged byte pairs
-    in order. `words_with[pair]` may still list words that lost the pair since; scanning such a
-    word finds nothing to merge, which is cheaper than keeping the index exact.
+    `vocab` holds ids 0..len(vocab)-1; each merge adds the next id (below index.vocab_size).
     """
-    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-    words_with: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for w, (word, count) in enumerate(zip(words, counts, strict=True)):
-        for pair in pairwise(word):
-            pair_counts[pair] += count
-            words_with[pair].add(w)
-
-    # heapq pops the smallest entry: (-count, key) puts the largest count first and, among equal
-    # counts, the lexicographically greatest pair of byte strings first (see `descending_key`).
-    keys = {i: descending_key(token) for i, token in vocab.items()}
-    heap = [(-n, keys[a] + keys[b], a, b) for (a, b), n in pair_counts.items()]
+    # Heap entries are ints, -(count << shift | pair key), so the largest count comes first; the
+    # pairs tied at that count are then compared by their bytes (see `_pop_best`).
+    pair_counts = index.initial_pair_counts()
+    shift = index.key_bits
+    heap = [-(count << shift | key) for key, count in pair_counts.items()]
     heapq.heapify(heap)
 
     merges = []
     for _ in tqdm(range(num_merges), desc="bpe merges", disable=not progress):
-        best = _pop_best(heap, pair_counts)
+        best = _pop_best(heap, pair_counts, vocab, index)
         if best is None:
             break
-        a, b = best
+        a, b = index.split_key(best)
         new = len(vocab)
         vocab[new] = vocab[a] + vocab[b]
-        keys[new] = descending_key(vocab[new])
         merges.append((vocab[a], vocab[b]))
-
-        # Rewrite each word in place. Per occurrence of (a, b) with neighbours x and y, the pairs
-        # (x, a) and (b, y) become (x, new) and (new, y). Scanning left to right with the word
-        # already rewritten handles runs like "a b a b": x is then the `new` just made.
-        new_pairs = set()
-        for w in words_with.pop(best):
-            word = words[w]
-            count = counts[w]
-            i = 0
-            while i < len(word) - 1:
-                if word[i] == a and word[i + 1] == b:
-                    if i > 0:
-                        x = word[i - 1]
-                        pair_counts[x, a] -= count
-                        pair_counts[x, new] += count
-                        new_pairs.add((x, new))
-                        words_with[x, new].add(w)
-                    if i + 2 < len(word):
-                        y = word[i + 2]
-                        pair_counts[b, y] -= count
-                        pair_counts[new, y] += count
-                        new_pairs.add((new, y))
-                        words_with[new, y].add(w)
-                    word[i : i + 2] = [new]
-                i += 1
-        del pair_counts[best]
-        for pair in new_pairs:
-            if pair_counts[pair] > 0:
-                heapq.heappush(heap, (-pair_counts[pair], keys[pair[0]] + keys[pair[1]], pair[0], pair[1]))
+        keys, deltas = index.merge(a, b, new)
+        for key, delta in zip(keys.tolist(), deltas.tolist(), strict=True):
+            count = pair_counts.get(key, 0) + delta
+            if count > 0:
+                pair_counts[key] = count
+                if delta > 0:  # a pair with the new token: its count is final until it decreases
+                    heapq.heappush(heap, -(count << shift | key))
+            else:
+                pair_counts.pop(key, None)
     return merges
 
 
-def _pop_best(heap: list, pair_counts: dict[tuple[int, int], int]) -> tuple[int, int] | None:
-    """Pop the pair with the highest current count (ties: greatest bytes); None when none is left."""
-    while heap:
-        neg_count, key, a, b = heapq.heappop(heap)
-        count = pair_counts.get((a, b), 0)
-        if count == -neg_count:
-            return a, b
-        if count > 0:
-            heapq.heappush(heap, (-count, key, a, b))
-    return None
+def _pop_best(heap: list[int], pair_counts: dict[int, int], vocab: dict[int, bytes], index: PairIndex):
+    """Pop the key of the pair with the highest current count, ties to the greatest pair of bytes.
 
-
-def descending_key(token: bytes) -> str:
-    """A string that sorts in the reverse order of `token` among all byte strings.
-
-    Each byte c becomes chr(255 - c), and a terminator chr(256), larger than every mapped byte,
-    makes a prefix sort after its extensions. Concatenated keys of pairs (a, b) then sort in reverse
-    order of (bytes a, bytes b), because the terminator ends the first key before any comparison
-    can reach the second.
+    None when no pair is left. Entries whose count went down are pushed back with their count.
     """
-    return "".join(chr(255 - c) for c in token) + chr(256)
+    shift, mask = index.key_bits, (1 << index.key_bits) - 1
+    while heap:
+        count = -heap[0] >> shift
+        tied = []
+        while heap and -heap[0] >> shift == count:
+            key = -heapq.heappop(heap) & mask
+            current = pair_counts.get(key, 0)
+            if current == count:
+                tied.append(key)
+            elif current > 0:
+                heapq.heappush(heap, -(current << shift | key))
+        if tied:
+            best = max(tied, key=lambda k: tuple(vocab[t] for t in index.split_key(k)))
+            for key in tied:
+                if key != best:
+                    heapq.heappush(heap, -(count << shift | key))
+            return best
+    return None
 
 
 def train_tokenizer(

@@ -4,7 +4,8 @@ The file is cut into chunks at safe split points (special tokens, else line or w
 see `pretokenize.find_split`), so encoding chunks separately gives exactly the ids of the whole
 text, whatever the number of workers. Each worker encodes its chunk into a temporary raw uint16
 file; the final `.npy` is then allocated at its full size (a full disk fails here, before any
-copying) under a temporary name, filled, and renamed into place.
+copying) under a temporary name, filled by copying the parts in order (never mapped into memory, so
+memory stays bounded whatever the size), and renamed into place.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # Bytes of text per task: enough to amortize the work, small enough to bound a worker's memory.
 ENCODE_CHUNK_BYTES = 4 << 20
+# The parts are joined into the .npy this many bytes at a time.
+COPY_BYTES = 1 << 20
 
 
 def encode_corpus(
@@ -86,15 +89,14 @@ def encode_corpus(
         if replaced:
             log.warning("%s: replaced %d invalid UTF-8 bytes with U+FFFD", input_path, replaced)
 
-        with atomic_path(output_path, suffix=".npy") as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(total,))
-            _reserve_disk_space(tmp)
-            offset = 0
-            for (*_, part_path), length in zip(tasks, lengths, strict=True):
-                out[offset : offset + length] = np.fromfile(part_path, dtype=np.uint16)
-                offset += length
-            out.flush()
-            del out
+        with atomic_path(output_path, suffix=".npy") as tmp, open(tmp, "wb") as out:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint16)), "fortran_order": False,
+                      "shape": (total,)}  # fmt: skip
+            np.lib.format.write_array_header_1_0(out, header)
+            _reserve_disk_space(out, out.tell() + 2 * total)
+            for *_, part_path in tasks:  # copied, not mapped: memory stays small for any size
+                with open(part_path, "rb") as part:
+                    shutil.copyfileobj(part, out, COPY_BYTES)
     except OSError as e:
         raise OSError(e.errno, f"{output_path}: cannot write the token file: {e.strerror or e}") from e
     finally:
@@ -120,18 +122,13 @@ def _encode_chunk(task: tuple[str, int, int, str, str]) -> tuple[int, int, int]:
     """
     path, start, end, errors, part_path = task
     text, replaced = read_text_chunk(path, start, end, errors)
-    ids = np.array(_worker_tokenizer.encode(text), dtype=np.uint16)
+    ids = _worker_tokenizer.encode_array(text).astype(np.uint16)  # (the vocabulary fits: checked)
     with open(part_path, "wb") as f:  # (ndarray.tofile hides ENOSPC behind a short-write message)
         f.write(ids.tobytes())
     return len(ids), end - start, replaced
 
 
-def _reserve_disk_space(path: Path) -> None:
-    """Allocate every block of `path` now, so a full disk raises OSError instead of a crash later."""
-    if not hasattr(os, "posix_fallocate"):
-        return
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+def _reserve_disk_space(f, size: int) -> None:
+    """Allocate `size` bytes for the open file `f` now, so a full disk raises OSError here, not later."""
+    if hasattr(os, "posix_fallocate") and size > 0:
+        os.posix_fallocate(f.fileno(), 0, size)

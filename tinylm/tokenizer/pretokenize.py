@@ -53,8 +53,11 @@ _WHITESPACE_SPLIT = r"(?<=[!-~])[\n ](?=[!-~])"
 _WHITESPACE_SPLIT_STR = regex.compile(_WHITESPACE_SPLIT)
 _WHITESPACE_SPLIT_BYTES = regex.compile(_WHITESPACE_SPLIT.encode("ascii"))
 
-# Chunks of a file handled by one task; small enough to keep each worker's memory modest.
-CHUNK_BYTES = 8 << 20
+# Text is read and decoded this many bytes at a time (bounds a worker's memory for the text).
+CHUNK_BYTES = 1 << 20
+# Counting: a task counts about this many chunks into one Counter and returns it. Fewer, larger
+# results mean less pickling and merging in the main process, which runs beside the workers.
+TASK_CHUNKS = 64
 
 
 def default_num_workers() -> int:
@@ -234,15 +237,18 @@ def read_text_chunk(path: str | os.PathLike, start: int, end: int, errors: str =
     return data.decode("utf-8", errors="tinylm-count-replace"), replaced
 
 
-def count_chunk(args: tuple[str, int, int, list[str], str]) -> tuple[Counter, int]:
-    """Pre-token counts of one file chunk, and the number of invalid bytes replaced in it."""
-    path, start, end, special_tokens, errors = args
-    text, replaced = read_text_chunk(path, start, end, errors)
-    parts = split_on_special(text, special_token_regex(special_tokens))
+def count_chunks(args: tuple[str, list[tuple[int, int]], list[str], str]) -> tuple[Counter, int, int]:
+    """Pre-token counts of some chunks of a file: (counts, invalid bytes replaced, bytes read)."""
+    path, chunks, special_tokens, errors = args
+    special_re = special_token_regex(special_tokens)
     counts: Counter = Counter()
-    for part in parts[::2]:
-        counts.update(find_pretokens(part))
-    return counts, replaced
+    replaced = 0
+    for start, end in chunks:
+        text, chunk_replaced = read_text_chunk(path, start, end, errors)
+        replaced += chunk_replaced
+        for part in split_on_special(text, special_re)[::2]:
+            counts.update(find_pretokens(part))
+    return counts, replaced, sum(end - start for start, end in chunks)
 
 
 def count_pretokens(
@@ -255,26 +261,30 @@ def count_pretokens(
     """How often each pre-token occurs in a UTF-8 file, using `num_workers` processes.
 
     The file is read chunk by chunk (chunks end at safe splits), so memory grows with the number of
-    distinct pre-tokens, not with the file. The result does not depend on `num_workers`.
+    distinct pre-tokens, not with the file. Chunks are grouped into tasks of about TASK_CHUNKS (at
+    least four tasks per worker, for balance); each task returns one Counter. The result does not
+    depend on `num_workers`.
     """
     path = check_readable(path)
     special_tokens = check_special_tokens(special_tokens)
     num_workers = num_workers or default_num_workers()
     size = os.path.getsize(path)
-    num_chunks = max(num_workers, -(-size // CHUNK_BYTES))
-    bounds = find_chunk_boundaries(path, num_chunks, special_tokens)
-    tasks = [(str(path), s, e, special_tokens, errors) for s, e in pairwise(bounds)]
+    chunks = list(pairwise(find_chunk_boundaries(path, max(num_workers, -(-size // CHUNK_BYTES)), special_tokens)))
+    num_tasks = min(len(chunks), max(4 * num_workers, -(-len(chunks) // TASK_CHUNKS)))
+    tasks = [(str(path), chunks[i * len(chunks) // num_tasks : (i + 1) * len(chunks) // num_tasks],
+              special_tokens, errors) for i in range(num_tasks)]  # fmt: skip
 
     total: Counter = Counter()
     replaced = 0
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize", disable=not progress)
     with bar:
-        for (counts, n_replaced), (_, start, end, _, _) in zip(
-            map_in_processes(count_chunk, tasks, num_workers), tasks, strict=True
-        ):
+        for counts, task_replaced, task_bytes in map_in_processes(count_chunks, tasks, num_workers):
+            if len(counts) > len(total):  # add the smaller Counter into the larger one
+                total, counts = counts, total
             total.update(counts)
-            replaced += n_replaced
-            bar.update(end - start)
+            del counts
+            replaced += task_replaced
+            bar.update(task_bytes)
     if replaced:
         log.warning("%s: replaced %d invalid UTF-8 bytes with U+FFFD", path, replaced)
     return total

@@ -4,7 +4,9 @@ Encoding splits the text on special tokens (longest match wins), cuts the rest i
 the GPT-2 regex, and turns each pre-token into ids by applying merges in order of rank (the order in
 which training created them): repeatedly merge every occurrence of the adjacent pair with the lowest
 rank. This is the algorithm of GPT-2, Hugging Face `tokenizers` and (for BPE-trained vocabularies)
-tiktoken. Pre-tokens repeat a lot, so their ids are cached.
+tiktoken. Pre-tokens repeat a lot, so their ids are cached, as the bytes of an array of ids: the
+ids of a whole text are then one `bytes.join`, with no Python int per token. The pre-tokens of a
+text that miss the cache are encoded first, all at once with arrays when there are many.
 
 Files:
 - `save` / `load`: one JSON file (`tokenizer.json`, format "tinylm.tokenizer", version 1). Token
@@ -19,10 +21,14 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from itertools import chain, pairwise, repeat
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from tinylm.io import atomic_write_text
 from tinylm.tokenizer.pretokenize import (
@@ -38,14 +44,16 @@ FORMAT_VERSION = 1
 
 # encode_iterable encodes its input in pieces of about this many characters.
 STREAM_CHUNK_CHARS = 1 << 16
+# From this many new pre-tokens on, they are encoded together with arrays (`_encode_together`).
+TOGETHER_PIECES = 256
 
 
 class Tokenizer:
     """Byte-level BPE tokenizer over `vocab` (id -> bytes) and `merges` (byte pairs, by rank).
 
     Special tokens missing from `vocab` are added with new ids. Every merge must join two tokens of
-    the vocabulary into a third one; ValueError otherwise. `cache_size` bounds the number of
-    pre-tokens whose ids are remembered (the cache is emptied when it is full).
+    the vocabulary into a third one; ValueError otherwise. The ids of up to 2 * `cache_size`
+    distinct pre-tokens are remembered (see `_PieceCache`), which bounds the memory of encoding.
     """
 
     def __init__(
@@ -53,7 +61,7 @@ class Tokenizer:
         vocab: dict[int, bytes],
         merges: Sequence[tuple[bytes, bytes]],
         special_tokens: Sequence[str] | None = None,
-        cache_size: int = 1 << 18,
+        cache_size: int = 1 << 19,
     ):
         self.vocab = dict(vocab)
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
@@ -89,21 +97,30 @@ class Tokenizer:
             self._merged_id.append(token_ids[a + b])
 
         self._special_re = special_token_regex(self.special_tokens)
-        self._cache = _PieceCache(self._encode_piece, cache_size)
+        self._special_bytes = {t: array("I", [i]).tobytes() for t, i in self.special_ids.items()}
+        self._cache = _PieceCache(cache_size)
+        self._table: _MergeTable | None = None
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`: special tokens map to their ids, everything else goes through BPE."""
-        ids: list[int] = []
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as a 1-D array of C unsigned ints (no Python int per token).
+
+        The ids of each distinct pre-token are kept in the cache as the bytes of such an array, so
+        that the ids of the whole text are one `bytes.join`; the pre-tokens not in the cache are
+        encoded first.
+        """
         parts = split_on_special(text, self._special_re)
-        pieces_to_ids = self._cache.__getitem__
+        pieces = [find_pretokens(part) if i % 2 == 0 and part else [] for i, part in enumerate(parts)]
+        lookup = self._cache.fill(chain.from_iterable(pieces), self._encode_pieces)
+        out = []
         for i, part in enumerate(parts):
-            if i % 2:
-                ids.append(self.special_ids[part])
-            elif part:
-                ids.extend(chain.from_iterable(map(pieces_to_ids, find_pretokens(part))))
-        return ids
+            out.append(self._special_bytes[part] if i % 2 else b"".join(map(lookup, pieces[i])))
+        return np.frombuffer(b"".join(out), dtype=np.uintc)
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Lazily encode an iterable of strings (lines, or a text file handle) as one text.
@@ -131,6 +148,65 @@ class Tokenizer:
                 yield from self.encode(buffer[:cut])
                 buffer = buffer[cut:]
         yield from self.encode(buffer + "".join(pending))
+
+    def _encode_pieces(self, pieces: list[str]) -> dict[str, bytes]:
+        """{pre-token: the bytes of its ids as C unsigned ints} for distinct `pieces`.
+
+        A few go one by one (`_encode_piece`), many all at once (`_encode_together`): same ids.
+        """
+        if len(pieces) < TOGETHER_PIECES:
+            return {piece: array("I", self._encode_piece(piece)).tobytes() for piece in pieces}
+        return self._encode_together(pieces)
+
+    def _encode_together(self, pieces: list[str]) -> dict[str, bytes]:
+        """`_encode_piece` for many pre-tokens at once, with arrays: one merge per piece per round.
+
+        All pieces sit in one array of ids. Each round looks up the rank of every adjacent pair
+        within a piece, and in every piece merges the leftmost pair of lowest rank, exactly the
+        step `_encode_piece` takes; pieces with no pair left to merge are done and leave the
+        arrays. The rounds are as many as the most merges one piece needs, not one per merge.
+        """
+        table = self._merge_table()
+        encoded = [piece.encode("utf-8") for piece in pieces]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = table.byte_ids[np.frombuffer(b"".join(encoded), dtype=np.uint8)]
+        owner = np.repeat(np.arange(len(pieces)), lengths)  # the piece of each position
+        rank = table.rank_of_pairs(ids, owner, np.arange(len(ids)))  # of the pair starting there
+        done_owner, done_ids = [], []
+        while len(ids):
+            starts = np.flatnonzero(rank < _NO_MERGE)
+            merging = np.zeros(len(pieces), dtype=bool)
+            merging[owner[starts]] = True
+            finished = ~merging[owner]
+            done_owner.append(owner[finished])
+            done_ids.append(ids[finished])
+            if not len(starts):
+                break
+            # The leftmost pair of lowest rank of each piece: the smallest rank * n + position.
+            n = len(ids)
+            groups = np.flatnonzero(np.concatenate([[True], owner[starts][1:] != owner[starts][:-1]]))
+            best = np.minimum.reduceat(rank[starts] * n + starts, groups)
+            at, best_rank = best % n, best // n
+            ids[at] = table.merged[best_rank]
+            keep = ~finished
+            keep[at + 1] = False
+            new_at = np.cumsum(keep)[at] - 1
+            ids, owner, rank = ids[keep], owner[keep], rank[keep]
+            # Only the pairs that start at the merged token and just before it change.
+            changed = np.concatenate([new_at - 1, new_at])
+            changed = changed[changed >= 0]
+            rank[changed] = table.rank_of_pairs(ids, owner, changed)
+        owner, ids = np.concatenate(done_owner), np.concatenate(done_ids)
+        order = np.argsort(owner, kind="stable")  # each piece's ids in order, pieces in order
+        data = ids[order].astype(np.uintc).tobytes()
+        ends = np.cumsum(np.bincount(owner, minlength=len(pieces))) * np.dtype(np.uintc).itemsize
+        return {piece: data[start:end] for piece, start, end in zip(pieces, [0, *ends[:-1].tolist()], ends.tolist(), strict=True)}
+
+    def _merge_table(self) -> _MergeTable:
+        """The merges as arrays (built on first use by `_encode_together`)."""
+        if self._table is None:
+            self._table = _MergeTable.build(max(self.vocab) + 1, self._rank_of, self._merged_id, self._byte_ids)
+        return self._table
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """Ids of one pre-token: merge the adjacent pair of lowest rank until no pair has a merge.
@@ -259,20 +335,78 @@ class Tokenizer:
 _NO_MERGE = 1 << 62
 
 
-class _PieceCache(dict):
-    """pre-token -> ids; a miss computes the ids. Cleared when full, so memory stays bounded."""
+class _PieceCache:
+    """pre-token -> the bytes of its ids, in two generations, so that memory stays bounded.
 
-    def __init__(self, compute, max_size: int):
-        super().__init__()
-        self._compute = compute
-        self._max_size = max_size
+    When the current generation holds `max_size` pieces (checked at the start of each `fill`), it
+    becomes the old one and a new one starts; pieces found in the old generation move to the new
+    one, so frequent pieces are never encoded twice.
+    """
 
-    def __missing__(self, piece: str) -> tuple[int, ...]:
-        ids = self._compute(piece)
-        if len(self) >= self._max_size:
-            self.clear()
-        self[piece] = ids
-        return ids
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self.current: dict[str, bytes] = {}
+        self.old: dict[str, bytes] = {}
+
+    def fill(self, pieces: Iterable[str], encode: Callable[[list[str]], dict[str, bytes]]) -> Callable:
+        """Make sure every piece is in the current generation; return its lookup function."""
+        if len(self.current) >= self.max_size:
+            self.old, self.current = self.current, {}
+        missing = set(pieces).difference(self.current)
+        if missing:
+            found = missing.intersection(self.old)
+            self.current.update((piece, self.old[piece]) for piece in found)
+            missing -= found
+            if missing:
+                self.current.update(encode(list(missing)))
+        return self.current.__getitem__
+
+
+class _MergeTable(NamedTuple):
+    """The merges for `_encode_together`: ranks by pair in an open-addressing hash table."""
+
+    size: int  # ids are below this; a pair's key is left * size + right
+    slot_keys: np.ndarray  # 2**bits slots: a key, or -1 for an empty slot
+    slot_ranks: np.ndarray  # the rank of the merge of that key
+    bits: int
+    merged: np.ndarray  # rank -> id of the merged token
+    byte_ids: np.ndarray  # byte value -> its id
+
+    @classmethod
+    def build(cls, size: int, rank_of: dict[tuple[int, int], int], merged: list[int], byte_ids: list[int]):
+        bits = max(4, (4 * len(rank_of)).bit_length())  # at most a quarter of the slots in use
+        slot_keys = np.full(1 << bits, -1, dtype=np.int64)
+        slot_ranks = np.zeros(1 << bits, dtype=np.int64)
+        keys = np.array([a * size + b for a, b in rank_of] or [0], dtype=np.int64)[: len(rank_of)]
+        mask = (1 << bits) - 1
+        for key, slot, rank in zip(keys.tolist(), cls._slots(keys, bits).tolist(), rank_of.values(), strict=True):
+            while slot_keys[slot] != -1:  # linear probing
+                slot = (slot + 1) & mask
+            slot_keys[slot], slot_ranks[slot] = key, rank
+        return cls(size, slot_keys, slot_ranks, bits, np.array(merged or [0], dtype=np.int64),
+                   np.array(byte_ids, dtype=np.int64))
+
+    @staticmethod
+    def _slots(keys: np.ndarray, bits: int) -> np.ndarray:
+        """Fibonacci hashing: the top `bits` bits of key * 2**64 / golden ratio."""
+        return ((keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.int64)
+
+    def rank_of_pairs(self, ids: np.ndarray, owner: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The merge rank of the pair (ids[p], ids[p + 1]) for p in `starts`; _NO_MERGE where the
+        pair has no merge or p + 1 is in another piece (or past the end)."""
+        nexts = np.minimum(starts + 1, len(ids) - 1)
+        keys = ids[starts] * self.size + ids[nexts]
+        ranks = np.full(len(starts), _NO_MERGE, dtype=np.int64)
+        pending = np.flatnonzero((owner[starts] == owner[nexts]) & (starts + 1 < len(ids)))
+        slots = self._slots(keys[pending], self.bits)
+        mask = (1 << self.bits) - 1
+        while len(pending):  # probe until the key or an empty slot is found
+            found = self.slot_keys[slots]
+            hit = found == keys[pending]
+            ranks[pending[hit]] = self.slot_ranks[slots[hit]]
+            going_on = ~hit & (found != -1)
+            pending, slots = pending[going_on], (slots[going_on] + 1) & mask
+        return ranks
 
 
 @cache

