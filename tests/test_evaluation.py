@@ -193,7 +193,7 @@ def test_scored_checkpoints_are_read_from_the_cache(tmp_path, monkeypatch):
     assert not [p for p in cache.iterdir() if p.suffix != ".json"]  # no temporary files left
 
 
-def test_a_changed_checkpoint_file_is_scored_again(tmp_path):
+def test_a_checkpoint_with_other_weights_is_scored_again(tmp_path):
     tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(60, seed=4))
     tokenizer, cache = tiny_tokenizer(), tmp_path / "eval_cache"
     before = evaluate_checkpoints(publish(tmp_path / "a", [5], seed=0), tokens, tokenizer, cache_dir=cache)
