@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import _parallel_helpers as helpers
 import pytest
 import torch
 
 from tinylm.parallel import RankFailedError, launch, maybe_inject_fault
-from tinylm.parallel.launch import FAULT_ENV, parse_fault
+from tinylm.parallel.launch import FAULT_ENV, _first_failure, parse_fault
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS_SCRIPT = REPO / "tests" / "_parallel_helpers.py"
@@ -117,6 +119,31 @@ def test_raising_rank_fails_the_job_with_its_traceback(tmp_path, monkeypatch):
     assert message.startswith("rank 1 failed")
     assert "Traceback" in message and "injected fault" in message and "steps_with_fault" in message
     assert_all_gone(tmp_path, 2)
+
+
+def test_the_first_failure_is_reported_not_the_first_one_seen(tmp_path):
+    """torch may notice a rank whose peer died (its collective failed) before the peer itself."""
+    seen_first = torch.multiprocessing.ProcessRaisedException("rank 0's collective failed", 0, 100)
+    raised = lambda rank, when, text: (tmp_path / str(rank)).write_text(f"{when!r}\n{text}")  # noqa: E731
+
+    raised(0, 20.5, "RuntimeError: Connection closed by peer")
+    raised(1, 20.0, "RuntimeError: the real error")
+    ended = [SimpleNamespace(exitcode=1, pid=100), SimpleNamespace(exitcode=1, pid=101)]
+    error = _first_failure(ended, seen_first, str(tmp_path))
+    assert (error.rank, error.detail) == (1, "RuntimeError: the real error")
+
+    (tmp_path / "1").unlink()  # rank 1 exited without raising; rank 2 was ended by the launcher
+    ended = [SimpleNamespace(exitcode=1, pid=100), SimpleNamespace(exitcode=17, pid=101),
+             SimpleNamespace(exitcode=-signal.SIGTERM, pid=102)]
+    error = _first_failure(ended, seen_first, str(tmp_path))
+    assert (error.rank, error.detail) == (1, "exited with code 17 (pid 101)")
+
+    ended[1].exitcode = -signal.SIGKILL
+    assert str(_first_failure(ended, seen_first, str(tmp_path))) == "rank 1 failed: killed by signal SIGKILL (pid 101)"
+
+    ended[1].exitcode = -signal.SIGTERM  # only rank 0 failed on its own
+    error = _first_failure(ended, seen_first, str(tmp_path))
+    assert (error.rank, error.detail) == (0, "RuntimeError: Connection closed by peer")
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,8 @@ never collide; a MASTER_ADDR/MASTER_PORT passed in or set in the environment is 
 given. A rank that finishes waits at a final barrier for the others before the group is destroyed.
 
 Failure: if any rank raises, exits non-zero or is killed, the remaining ranks are terminated and
-`launch` raises RankFailedError naming the failed rank and carrying its traceback. A rank that
+`launch` raises RankFailedError naming the rank that failed first and carrying its traceback
+(not the error of a peer whose next collective failed because of it). A rank that
 hangs outside a collective makes the others fail in their next collective after `timeout_s` (or,
 while they wait for it through the store, once it has made no progress for `timeout_s`), which
 ends the job the same way. No process of the job is left running when `launch` returns or raises.
@@ -37,6 +38,7 @@ import shutil
 import signal
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -197,28 +199,70 @@ def _spawn_and_join(entry: Callable[..., Any], args: tuple, nprocs: int) -> None
 
     torch's ProcessContext.join terminates the others as soon as one process fails; the finally
     block also ends them when this process is interrupted while waiting (Ctrl-C), so no rank is
-    left behind either way.
+    left behind either way. The error raised is the first failure's (see `_first_failure`), not
+    necessarily the one torch noticed first: a rank whose peer died fails in its next collective
+    a moment later, and both can be seen in the same poll.
     """
-    context = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    failures = tempfile.mkdtemp(prefix="tinylm-failures-")
+    context = mp.start_processes(_recording_failure, args=(failures, entry, args), nprocs=nprocs, join=False,
+                                 start_method="spawn")
     try:
         while not context.join():
             pass
-    except mp.ProcessRaisedException as error:
-        detail = _strip_spawn_header(error.msg)
-        if "timed out" in detail.lower():
-            detail += "\n(a collective timed out: another rank may have hung or died before reaching it)"
-        raise RankFailedError(error.error_index, detail) from None
-    except mp.ProcessExitedException as error:
-        if error.signal_name is not None:
-            detail = f"killed by signal {error.signal_name} (pid {error.error_pid})"
-        else:
-            detail = f"exited with code {error.exit_code} (pid {error.error_pid})"
-        raise RankFailedError(error.error_index, detail) from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        raise _first_failure(context.processes, error, failures) from None
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
             process.join()
+        shutil.rmtree(failures, ignore_errors=True)
+
+
+def _recording_failure(index: int, failures: str, entry: Callable[..., Any], args: tuple) -> None:
+    """Run `entry(index, *args)`; if it raises, first write when (monotonic clock) and the traceback."""
+    try:
+        entry(index, *args)
+    except BaseException:
+        with open(os.path.join(failures, f"{index}.tmp"), "w", encoding="utf-8") as f:
+            f.write(f"{time.monotonic()!r}\n{traceback.format_exc()}")
+        os.replace(os.path.join(failures, f"{index}.tmp"), os.path.join(failures, str(index)))
+        raise
+
+
+def _first_failure(processes: list, error: Exception, failures: str) -> RankFailedError:
+    """The failure that came first, as a RankFailedError.
+
+    A rank that exited non-zero or was killed (by anything but the launcher's own SIGTERM) without
+    raising is the cause: its peers only fail after it. Otherwise, the rank that raised first.
+    """
+    for index, process in enumerate(processes):
+        if index != error.error_index and not os.path.exists(os.path.join(failures, str(index))) \
+                and process.exitcode not in (None, 0, -signal.SIGTERM):
+            return RankFailedError(index, _exit_detail(process.exitcode, process.pid))
+    raised = {}
+    for name in os.listdir(failures):
+        if name.isdigit():
+            when, _, text = open(os.path.join(failures, name), encoding="utf-8").read().partition("\n")
+            raised[int(name)] = (float(when), text)
+    if isinstance(error, mp.ProcessExitedException):
+        return RankFailedError(error.error_index, _exit_detail(error.exit_code, error.error_pid))
+    if not raised:  # the rank raised before our wrapper ran (while unpickling its arguments)
+        return RankFailedError(error.error_index, _annotate(_strip_spawn_header(error.msg)))
+    index = min(raised, key=lambda r: raised[r][0])
+    return RankFailedError(index, _annotate(raised[index][1]))
+
+
+def _exit_detail(exit_code: int, pid: int) -> str:
+    if exit_code < 0:
+        return f"killed by signal {signal.Signals(-exit_code).name} (pid {pid})"
+    return f"exited with code {exit_code} (pid {pid})"
+
+
+def _annotate(detail: str) -> str:
+    if "timed out" in detail.lower():
+        detail += "\n(a collective timed out: another rank may have hung or died before reaching it)"
+    return detail
 
 
 def _strip_spawn_header(message: str) -> str:
