@@ -27,20 +27,34 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
 from tinylm.tokenizer import Tokenizer
 
+# Most likely tokens `nucleus` tries first; when their mass is below top_p it sorts all tokens.
+NUCLEUS_CANDIDATES = 64
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p`; renormalize.
 
-    probs: [..., V] probabilities. The most likely token is always kept. Ties at the boundary are
-    resolved by the (stable) sort order, so the result is deterministic.
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most likely tokens whose mass reaches `top_p`: (ids [n], probs [n]).
+
+    probs: [V] probabilities. Tokens are taken in the order of a stable descending sort (ties:
+    the lower id first); a token is kept while the mass before it is below `top_p`, so the most
+    likely token always is. The returned probabilities are not renormalized. Only the top
+    candidates are sorted: every token outside them is less likely than all of them, so once their
+    mass reaches `top_p` the rest cannot be kept (the cumulative mass never decreases).
     """
+    vocab_size = probs.shape[-1]
     if top_p >= 1.0:
-        return probs
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return filtered / filtered.sum(dim=-1, keepdim=True)
+        return torch.arange(vocab_size), probs
+    candidates = [torch.arange(vocab_size)]
+    if vocab_size > NUCLEUS_CANDIDATES:
+        threshold = torch.topk(probs, NUCLEUS_CANDIDATES, sorted=False).values.min()
+        candidates.insert(0, torch.nonzero(probs >= threshold).squeeze(1))  # ascending ids, ties included
+    for ids in candidates:
+        kept, order = torch.sort(probs[ids], descending=True, stable=True)
+        mass = torch.cumsum(kept, dim=0)
+        if mass[-1] >= top_p:  # the tokens after these are not kept
+            break
+    mass_before = torch.cat((mass.new_zeros(1), mass[:-1]))  # never decreases, so a prefix is kept
+    n = int((mass_before < top_p).sum())
+    return ids[order[:n]], kept[:n]
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -48,8 +62,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     logits = logits.float()
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = top_p_filter(softmax(logits / temperature, dim=-1), top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    ids, probs = nucleus(softmax(logits / temperature, dim=-1), top_p)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])
 
 
 @torch.no_grad()
