@@ -622,5 +622,16 @@ def train_tiny(ctx, out_path: str) -> None:
         torch.save(model.module.state_dict(), out_path)
 
 
+def wait_in_a_barrier(ctx, out_dir: str) -> None:
+    """Write this rank's pid and wait at a barrier that only ends with the collective timeout."""
+    Path(out_dir, f"pid{ctx.rank}").write_text(str(os.getpid()))
+    if ctx.rank == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    launch(train_tiny, args=(sys.argv[1],), world_size=2, backend="gloo", timeout_s=60.0)
+    if sys.argv[1:2] == ["--wait"]:  # ranks that wait for a long time, for the tests that kill the launcher
+        launch(wait_in_a_barrier, args=(sys.argv[2],), world_size=2, backend="gloo", timeout_s=600.0)
+    else:
+        launch(train_tiny, args=(sys.argv[1],), world_size=2, backend="gloo", timeout_s=60.0)

@@ -156,6 +156,30 @@ def test_exiting_or_killed_rank_fails_the_job(tmp_path, monkeypatch, action, exp
     assert_all_gone(tmp_path, 2)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_launcher_leaves_no_rank_behind(tmp_path, sig):
+    """Also where SIGINT is ignored, as in a background job (`nohup snakemake ... &`): torch's own
+    parent-death signal to its spawned processes is SIGINT, which such ranks would never see."""
+    launcher = subprocess.Popen([sys.executable, str(HELPERS_SCRIPT), "--wait", str(tmp_path)],
+                                env=subprocess_env(), cwd=tmp_path,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the ranks never started"
+        time.sleep(0.1)
+    launcher.send_signal(sig)
+    assert launcher.wait(timeout=30) != 0
+    deadline = time.monotonic() + 10  # the kernel's signal to an orphan is not instant
+    while True:
+        try:
+            assert_all_gone(tmp_path, 2)
+            break
+        except BaseException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_hung_rank_ends_the_job_after_the_timeout(tmp_path):
     timeout_s = 5.0
     start = time.monotonic()

@@ -32,11 +32,13 @@ to check these promises end to end.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -204,8 +206,9 @@ def _spawn_and_join(entry: Callable[..., Any], args: tuple, nprocs: int) -> None
     a moment later, and both can be seen in the same poll.
     """
     failures = tempfile.mkdtemp(prefix="tinylm-failures-")
-    context = mp.start_processes(_recording_failure, args=(failures, entry, args), nprocs=nprocs, join=False,
+    context = mp.start_processes(_recording_failure, args=(os.getpid(), failures, entry, args), nprocs=nprocs, join=False,
                                  start_method="spawn")
+    previous = _raise_on_sigterm()
     try:
         while not context.join():
             pass
@@ -217,10 +220,39 @@ def _spawn_and_join(entry: Callable[..., Any], args: tuple, nprocs: int) -> None
                 process.kill()
             process.join()
         shutil.rmtree(failures, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
-def _recording_failure(index: int, failures: str, entry: Callable[..., Any], args: tuple) -> None:
+def _raise_on_sigterm():
+    """Make SIGTERM (what `kill`, schedulers and Snakemake send) a SystemExit in this process, so
+    that the finally block above ends the ranks; returns the previous handler (None off the main
+    thread, where Python cannot set one). A SIGKILL is covered by the ranks themselves
+    (`_die_with_parent`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when the launcher dies, however it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the launcher's finally block and SIGTERM handler still apply
+    if os.getppid() != launcher_pid:  # the launcher died before the call: nothing will signal us
+        os._exit(1)
+
+
+def _recording_failure(index: int, launcher_pid: int, failures: str, entry: Callable[..., Any],
+                       args: tuple) -> None:
     """Run `entry(index, *args)`; if it raises, first write when (monotonic clock) and the traceback."""
+    _die_with_parent(launcher_pid)
     try:
         entry(index, *args)
     except BaseException:
