@@ -58,7 +58,7 @@ class CorpusConfig:
 class TokenizerConfig:
     """Byte-level BPE training (stage `train-tokenizer`)."""
 
-    vocab_size: int = field(default=2048, metadata=_range(257))
+    vocab_size: int = field(default=4096, metadata=_range(257))
     special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
     num_workers: int | None = field(default=None, metadata=_range(1))
 
@@ -74,7 +74,7 @@ class EncodeConfig:
 class ModelConfig:
     """Transformer shape. Changing any of these retrains from scratch."""
 
-    context_length: int = field(default=256, metadata=_range(1))
+    context_length: int = field(default=128, metadata=_range(1))
     d_model: int = field(default=128, metadata=_range(2))
     num_layers: int = field(default=4, metadata=_range(1))
     num_heads: int = field(default=4, metadata=_range(1))
@@ -91,18 +91,18 @@ class TrainConfig:
     backend: str = field(default="auto", metadata=_range(choices=["auto", "gloo", "nccl"]))
     threads_per_rank: int = field(default=1, metadata=_range(1))
     timeout_s: float = field(default=300.0, metadata=_range(1.0))
-    batch_size: int = field(default=16, metadata=_range(1))
+    batch_size: int = field(default=32, metadata=_range(1))
     grad_accum_steps: int = field(default=1, metadata=_range(1))
-    dtype: str = field(default="auto", metadata=_range(choices=["auto", "float32", "bfloat16", "float16"]))
+    dtype: str = field(default="bfloat16", metadata=_range(choices=["auto", "float32", "bfloat16", "float16"]))
     compile: bool = False
     deterministic: bool = True
     peak_flops: float | None = field(default=None, metadata=_range(0.0, lo_open=True))
     max_iters: int = field(default=1000, metadata=_range(1))
-    lr_max: float = field(default=3e-3, metadata=_range(0.0, lo_open=True))
-    lr_min: float = field(default=3e-4, metadata=_range(0.0))
+    lr_max: float = field(default=6e-3, metadata=_range(0.0, lo_open=True))
+    lr_min: float = field(default=6e-4, metadata=_range(0.0))
     warmup_iters: int = field(default=50, metadata=_range(0))
     cos_cycle_iters: int | None = field(default=None, metadata=_range(1))
-    weight_decay: float = field(default=0.1, metadata=_range(0.0))
+    weight_decay: float = field(default=0.7, metadata=_range(0.0))
     beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
     beta2: float = field(default=0.99, metadata=_range(0.0, 1.0))
     eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
@@ -207,7 +207,10 @@ def _coerce(value: Any, tp, key: str) -> Any:
     else:
         ok = isinstance(value, tp)
     if not ok:
-        raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        hint = ""
+        if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
+            hint = f"; YAML reads {value} as text, write {value.strip().replace('e', '.0e').replace('E', '.0E')}"
+        raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r} ({type(value).__name__}){hint}")
     return value
 
 
