@@ -101,7 +101,7 @@ def write_compare(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: s
     panels = [("tokens_seen", "val_loss"), ("train_seconds", "val_loss"),
               ("tokens_seen", "bits_per_byte"), ("train_seconds", "bits_per_byte")]
     labels = {"tokens_seen": "tokens seen", "train_seconds": "training wall time (s)",
-              "val_loss": "validation loss (nats/token)", "bits_per_byte": "bits per byte"}
+              "val_loss": "validation loss (nats/token; compare within one vocabulary)", "bits_per_byte": "bits per byte"}
     for i, (x, y) in enumerate(panels):
         ax = fig.add_subplot(grid[i // 2, i % 2])
         for name, rows in table.groupby("run", sort=False):
