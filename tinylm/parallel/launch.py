@@ -43,6 +43,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -273,10 +274,10 @@ def _first_failure(processes: list, error: Exception, failures: str) -> RankFail
                 and process.exitcode not in (None, 0, -signal.SIGTERM):
             return RankFailedError(index, _exit_detail(process.exitcode, process.pid))
     raised = {}
-    for name in os.listdir(failures):
-        if name.isdigit():
-            when, _, text = open(os.path.join(failures, name), encoding="utf-8").read().partition("\n")
-            raised[int(name)] = (float(when), text)
+    for path in Path(failures).iterdir():
+        if path.name.isdigit():
+            when, _, text = path.read_text(encoding="utf-8").partition("\n")
+            raised[int(path.name)] = (float(when), text)
     if isinstance(error, mp.ProcessExitedException):
         return RankFailedError(error.error_index, _exit_detail(error.exit_code, error.error_pid))
     if not raised:  # the rank raised before our wrapper ran (while unpickling its arguments)
