@@ -103,7 +103,7 @@ def assert_grads_in_buckets(ddp: DDP, what: str) -> None:
     for p in trainable:
         if p.grad is not None:
             assert p.grad.untyped_storage().data_ptr() in buffers, f"{what}: a gradient outside the buckets"
-    held = sum(bucket.grads.numel() for bucket in ddp._buckets)
+    held = sum(grads.numel() for bucket in ddp._buckets for _, _, grads in bucket.runs)
     assert held == sum(p.numel() for p in trainable), f"{what}: buckets hold {held} gradient elements"
 
 

@@ -34,3 +34,32 @@ def test_autocast_lowers_the_matmuls_but_not_the_parameters_or_the_loss(dtype):
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     with autocast("cpu", torch.float32):
         assert model(ids[:, :-1]).dtype == torch.float32
+
+
+def test_loss_scaler_follows_torch_grad_scaler_over_overflows_and_growth():
+    """The same overflow sequence gives torch.amp.GradScaler's scales, growth tracker and state dict."""
+    from tinylm.precision import LossScaler
+
+    ours = LossScaler(enabled=True, init_scale=2.0**10, growth_interval=3)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    pattern = [False, True, False, False, False, False, True, True, False, False, False, False, False]
+    for step, overflow in enumerate(pattern):
+        gradient = torch.full((4,), float("inf") if overflow else 3.0)
+        weight.grad = gradient * theirs.scale(torch.ones(()))
+        theirs.unscale_(optimizer)
+        theirs.step(optimizer)
+        theirs.update()
+        ours_grad = [gradient * ours.scale]
+        ours.unscale_(ours_grad)
+        if not overflow:
+            torch.testing.assert_close(ours_grad[0], weight.grad, rtol=0, atol=0)
+        ours.update(overflow)
+        assert ours.state_dict() == theirs.state_dict(), f"step {step}"
+    restored = LossScaler(enabled=True)
+    restored.load_state_dict(theirs.state_dict())
+    assert restored.state_dict() == theirs.state_dict()
+    disabled = LossScaler(enabled=False)
+    disabled.update(True)
+    assert disabled.scale == 1.0 and disabled.state_dict() == {} == torch.amp.GradScaler("cpu", enabled=False).state_dict()

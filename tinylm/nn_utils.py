@@ -79,9 +79,20 @@ def gradient_clip(parameters: Iterable[torch.Tensor], max_norm: float, eps: floa
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
+    total_norm = squared_norms(grads).sum().sqrt()
+    scale_to_norm(grads, total_norm, max_norm, eps)
+    return total_norm
+
+
+def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """[len(grads)] float32: the squared L2 norm of each tensor (summed in float32 at least)."""
+    return torch.stack([g.float().pow(2).sum() for g in grads])
+
+
+@torch.no_grad()
+def scale_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> None:
+    """Multiply `grads` in place by min(1, max_norm / (total_norm + eps)): the clip of `gradient_clip`."""
     # A tensor factor clamped at 1 rather than an `if`: no device-to-host sync on GPUs.
     scale = (max_norm / (total_norm + eps)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.to(g.dtype))
-    return total_norm

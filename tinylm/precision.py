@@ -45,3 +45,65 @@ def autocast(device: torch.device | str, dtype: torch.dtype) -> contextlib.Abstr
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 training (Micikevicius et al., 2018), torch.amp.GradScaler's rule.
+
+    float16 gradients of small magnitude underflow to 0, so the loss is multiplied by `scale` before
+    backward and the gradients are divided by it before they are clipped and used:
+
+        (loss * scaler.scale).backward(); ...; scaler.unscale_(grads)
+        overflow = not finite(global gradient norm)      # the same decision on every rank
+        if not overflow: optimizer.step()
+        scaler.update(overflow)
+
+    A step whose gradients overflowed is skipped and the scale multiplied by `backoff_factor`;
+    after `growth_interval` steps in a row without overflow it is multiplied by `growth_factor`.
+    The decision is taken by the caller from the global gradient norm, which every rank computes
+    alike, so every rank skips the same steps even when each holds only its share of the gradients
+    (ZeRO-1). Disabled (float32, bfloat16): the scale is 1 and nothing changes.
+    `state_dict()` has GradScaler's keys and values.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0  # steps in a row without overflow
+
+    @torch.no_grad()
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        """Divide the gradients by the scale, in place (non-finite values stay non-finite)."""
+        if self.enabled and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.enabled or not state:
+            return
+        self.scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self.growth_tracker = int(state["_growth_tracker"])

@@ -91,3 +91,43 @@ def peak_memory_mib(device: torch.device) -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
+
+
+class StepMeter:
+    """Tokens/s, MFU and the time left, measured over training steps only.
+
+    The loop adds each step's wall time (data, forward, backward, sync, update); validation and
+    checkpoint writes are not steps, so they never dilute the rate (the loop times them on their
+    own). `report()` gives the rate since the previous report and the ETA from the mean step time.
+    """
+
+    def __init__(self, tokens_per_step: int, model_flops_per_token: float, peak_per_device: float | None,
+                 num_devices: int, device: torch.device):
+        self.tokens_per_step = tokens_per_step
+        self.model_flops_per_token = model_flops_per_token
+        self.peak_per_device = peak_per_device
+        self.num_devices = num_devices
+        self.device = device
+        self.last_step_s = 0.0
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget the steps so far (the first step of a compiled model is mostly compilation)."""
+        self._window_s = self._total_s = 0.0
+        self._window_steps = self._total_steps = 0
+
+    def add_step(self, seconds: float) -> None:
+        self.last_step_s = seconds
+        self._window_s += seconds
+        self._total_s += seconds
+        self._window_steps += 1
+        self._total_steps += 1
+
+    def report(self, steps_left: int) -> str:
+        """'N tok/s [MFU x%] peak mem M MiB ETA Ts' since the previous report; starts a new window."""
+        tok_s = self._window_steps * self.tokens_per_step / max(self._window_s, 1e-9)
+        utilisation = mfu(tok_s, self.model_flops_per_token, self.peak_per_device, self.num_devices)
+        eta = steps_left * self._total_s / max(self._total_steps, 1)
+        self._window_s, self._window_steps = 0.0, 0
+        return (f"{tok_s:,.0f} tok/s" + ("" if utilisation is None else f" MFU {100 * utilisation:.1f}%")
+                + f" peak mem {peak_memory_mib(self.device):,.0f} MiB ETA {eta:.0f}s")

@@ -47,8 +47,8 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, gradient_clip
 from tinylm.optim import AdamW, cos_lr_scheduler, param_groups
 from tinylm.parallel import DDP, ShardedOptimizer, launch
-from tinylm.precision import autocast, resolve_dtype
-from tinylm.throughput import flops_per_token, mfu, peak_flops, peak_memory_mib
+from tinylm.precision import LossScaler, autocast, resolve_dtype
+from tinylm.throughput import StepMeter, flops_per_token, peak_flops
 from tinylm.tokenizer import Tokenizer
 
 
@@ -136,7 +136,7 @@ def resolve_backend(backend: str, world_size: int) -> str:
     if backend == "gloo":
         return "gloo"
     count = torch.cuda.device_count()
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    ranks_here = ranks_on_this_machine(world_size)
     if backend == "nccl":
         if count == 0:
             raise ValueError("train.backend: 'nccl' needs CUDA devices, and none is available here "
@@ -154,6 +154,27 @@ def resolve_backend(backend: str, world_size: int) -> str:
              f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)")
         return "gloo"
     return "nccl"
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """Ranks sharing this machine: LOCAL_WORLD_SIZE under torchrun, else all (mp.spawn starts them here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def limit_compile_threads(ranks_here: int) -> int:
+    """Give this rank's torch.compile workers its share of the machine: cores // ranks_here, at least 1.
+
+    Inductor sizes its pool of compile workers to the whole machine in every process, so 8 ranks
+    on a node would start 8 pools of that size. TORCHINDUCTOR_COMPILE_THREADS, if set, wins. Call
+    before anything compiles; returns the thread count.
+    """
+    import torch._inductor.config as inductor_config
+
+    threads = int(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", 0)) or max(
+        1, len(os.sched_getaffinity(0)) // max(1, ranks_here))
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    inductor_config.compile_threads = threads
+    return threads
 
 
 def _log(enabled: bool, message: str) -> None:
@@ -263,15 +284,23 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     model = Transformer(**model_config, device=device, dtype=param_dtype)
     groups = param_groups(model, t.weight_decay)
     opt_kwargs = dict(lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps)
-    if world_size > 1 and t.shard_optimizer:
+    sharded = world_size > 1 and t.shard_optimizer
+    if sharded:  # ZeRO-1: each rank steps its share; DDP reduces each gradient to its owner only
         optimizer = ShardedOptimizer(groups, AdamW, bucket_size_mb=t.bucket_size_mb, **opt_kwargs)
+        held = optimizer.owned_parameters()
     else:
         optimizer = AdamW(groups, **opt_kwargs)
-    # float16 needs loss scaling (its range is too small for small gradients); a disabled scaler
-    # is a no-op. Every rank sees the same averaged gradients, so every rank skips the same steps.
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # Our DDP around the (compiled) model; in a world of one it communicates nothing.
-    ddp = DDP(torch.compile(model) if t.compile else model, bucket_size_mb=t.bucket_size_mb)
+        held = [p for p in model.parameters() if p.requires_grad]
+    if t.compile:
+        # Block by block, so that each block's backward is one autograd node and DDP's buckets
+        # start while earlier blocks are still in backward (a whole-model graph would start none
+        # before its backward ends). State dict names stay plain.
+        limit_compile_threads(ranks_on_this_machine(world_size))
+        for block in model.layers:
+            block.compile()
+    ddp = DDP(model, bucket_size_mb=t.bucket_size_mb, reduce_to=optimizer.owner if sharded else None)
+    # float16 needs loss scaling (its range is too small for small gradients); disabled it does nothing.
+    scaler = LossScaler(enabled=dtype == torch.float16)
 
     start = 0
     # On the CPU first, then beside each parameter (see state.restore_step): RNG states stay CPU
@@ -291,12 +320,12 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=start)
     log = ctx.is_main
     tokens_per_step = t.batch_size * context_length
-    step_flops = flops_per_token(model_config) * tokens_per_step
-    peak = peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops)
-    started = t0 = last_log_time = time.perf_counter()
-    timed_from = last_log_step = start
+    meter = StepMeter(tokens_per_step, flops_per_token(model_config),
+                      peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops), world_size, device)
+    started = time.perf_counter()
     model.train()
     for it in range(start, t.max_iters):
+        step_started = time.perf_counter()
         # The schedule is indexed by the number of the update being made (1-based), so the first
         # update already has a non-zero learning rate and update max_iters reaches lr_min.
         lr = cos_lr_scheduler(it + 1, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
@@ -306,7 +335,7 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         # Forward and backward over this rank's micro-batches; each micro-loss is divided by their
         # number, so that the summed gradients are those of the mean loss over the rank's share.
         starts = global_batch_starts(t.seed, it, t.batch_size, num_starts)
-        optimizer.zero_grad(set_to_none=True)
+        ddp.zero_grad()  # the gradient buckets, in place: backward accumulates straight into them
         loss = torch.zeros((), device=device)
         for m in range(accum):
             x, y = get_windows(train_tokens, micro_batch_starts(starts, rank, m, world_size, accum),
@@ -315,60 +344,58 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
                 with autocast(device, dtype):
                     logits = ddp(x)
                 micro_loss = cross_entropy(logits, y) / accum  # computed in float32
-                scaler.scale(micro_loss).backward()
+                (micro_loss * scaler.scale).backward()
             loss += micro_loss.detach()
-        ddp.finish_gradient_sync()  # every .grad is now the average over ranks
+        ddp.finish_gradient_sync()  # each rank now holds the rank average of the gradients in `held`
         if world_size > 1:
             dist.all_reduce(loss)
             loss /= world_size
-        scaler.unscale_(optimizer)
-        grad_norm = gradient_clip(model.parameters(), t.grad_clip)
-        # The one host sync of the step. Every rank holds the same loss and gradients, so all agree.
+        scaler.unscale_([p.grad for p in held if p.grad is not None])
+        if sharded:
+            grad_norm = optimizer.clip_grad_norm_(t.grad_clip)
+        else:
+            grad_norm = gradient_clip(held, t.grad_clip)
+        # The one host sync of the step. Every rank holds the same loss and norm, so all agree.
         loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.device)]).tolist()
-        overflow = scaler.is_enabled() and math.isfinite(loss_value) and not math.isfinite(norm_value)
-        if not overflow and not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        overflow = not math.isfinite(norm_value)  # with float16: skip the update, lower the scale
+        if not math.isfinite(loss_value) or (overflow and not scaler.enabled):
             raise NonFiniteLossError(
                 f"step {it + 1}: loss {loss_value} / gradient norm {norm_value} is not finite; "
                 f"stopped before the update (last committed step: {(state_lib.committed_steps(state_dir) or [0])[-1]})"
             )
-        if not overflow:  # float16 overflow: skip this update; the scaler lowers its scale
+        if not overflow:
             optimizer.step()
-        scaler.update()
+        scaler.update(overflow)
         step = it + 1
+        meter.add_step(time.perf_counter() - step_started)
 
         if it == start and t.compile:
-            _log(log, f"torch.compile: the first step took {time.perf_counter() - t0:.1f} s (compilation included)")
-            t0 = last_log_time = time.perf_counter()
-            timed_from = last_log_step = step
+            _log(log, f"torch.compile: the first step took {meter.last_step_s:.1f} s (compilation included)")
+            meter.restart()
         if step % t.log_interval == 0 or step == t.max_iters:
-            now = time.perf_counter()
-            tok_s = (step - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9)
-            eta = (t.max_iters - step) * (now - t0) / max(step - timed_from, 1)
-            utilisation = mfu(tok_s, step_flops / tokens_per_step, peak, world_size)
-            _log(log, f"step {step}/{t.max_iters} loss {loss_value:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s"
-                      + ("" if utilisation is None else f" MFU {100 * utilisation:.1f}%")
-                      + f" peak mem {peak_memory_mib(device):,.0f} MiB"
-                      + (f" loss scale {scaler.get_scale():g}" if scaler.is_enabled() else "")
-                      + f" ETA {eta:.0f}s")
-            last_log_time, last_log_step = now, step
+            _log(log, f"step {step}/{t.max_iters} loss {loss_value:.4f} lr {lr:.2e} {meter.report(t.max_iters - step)}"
+                      + (f" loss scale {scaler.scale:g}" if scaler.enabled else ""))
         if overflow:
-            _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.get_scale():g}")
+            _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}")
         if writer is not None:
             writer.add_scalar("loss_train", loss_value, step)
             writer.add_scalar("lr", lr, step)
             writer.add_scalar("grad_norm", norm_value, step)
         if ctx.is_main and (step % t.val_interval == 0 or step == t.max_iters):
+            began = time.perf_counter()
             val = estimate_loss(model, valid_tokens, micro_batch, context_length, t.val_batches, device,
                                 batch_generator(t.seed, step, stream=1), dtype)
-            _log(log, f"step {step} val_loss {val:.4f}")
+            _log(log, f"step {step} val_loss {val:.4f} ({time.perf_counter() - began:.1f} s)")
             if writer is not None:
                 writer.add_scalar("val_loss", val, step)
 
         if step % t.checkpoint_interval == 0 or step == t.max_iters:
+            began = time.perf_counter()
             # The manifest (not the checkpoint, which stays byte-identical) records rank 0's wall time.
-            timing = {"train_seconds": round(seconds_before + time.perf_counter() - started, 3)}
+            timing = {"train_seconds": round(seconds_before + began - started, 3)}
             _commit(ctx, model, optimizer, scaler, step, tokens_per_step, np_rng, model_config, {**run, **timing},
                     state_dir, t.keep_checkpoints)
+            _log(log, f"step {step} committed to {state_dir} ({time.perf_counter() - began:.1f} s)")
     if writer is not None:
         writer.close()
 

@@ -1,6 +1,7 @@
 """Data parallelism: every rank holds the whole model, and gradients are averaged across ranks.
 
     ddp = DDP(model, bucket_size_mb=25.0)
+    ddp.zero_grad()                 # zeroes the gradient buckets in place
     loss = loss_fn(ddp(x), y); loss.backward()
     ddp.finish_gradient_sync()      # now every p.grad is the average over ranks
     optimizer.step()
@@ -9,36 +10,47 @@ When it wraps, DDP copies rank 0's parameters and buffers to every rank. It then
 trainable parameters into buckets of about `bucket_size_mb` megabytes (2**20 bytes), in reverse
 registration order, since backward produces the gradients of the last layers first. Each bucket
 is one flat buffer, and each parameter's `.grad` is a view into it (as torch's
-`gradient_as_bucket_view`), so gradient memory is held once. A hook on each parameter runs as soon
-as autograd has accumulated its gradient: if autograd made a fresh `.grad` (the first backward
-after `zero_grad(set_to_none=True)`), the hook copies it into the bucket and points `.grad` at the
-bucket's view, after which autograd accumulates into the bucket in place. Once every gradient of a
-bucket is in, an asynchronous all-reduce of that buffer starts, so communication overlaps the rest
-of backward. `finish_gradient_sync()` starts the buckets still waiting, waits for all of them and
-divides each buffer by the world size in place: the views are then the rank averages.
+`gradient_as_bucket_view`), so gradient memory is held once and never copied: `zero_grad()` zeroes
+the buffers in place and autograd accumulates every later gradient straight into its view. (A
+`.grad` that autograd made fresh, after someone set it to None, is copied into the bucket once and
+replaced by the view.) A hook on each parameter runs as soon as autograd has accumulated its
+gradient; once every gradient of a bucket is in, the bucket's communication starts asynchronously,
+so it overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting,
+waits for all of them and divides by the world size in place.
 
-Buckets are always started in bucket order, on every rank, so the sequence of collectives is the
-same everywhere even when gradients become ready in different orders on different ranks.
+Two ways to communicate a bucket:
+- all-reduce (the default): afterwards every rank holds every averaged gradient;
+- reduce to the owner (`reduce_to={param: rank}`, the ownership of a ShardedOptimizer, ZeRO-1):
+  within each bucket the gradients are laid out by owner, and each owner's run is reduced to that
+  rank only. Afterwards each rank holds the averaged gradients of the parameters it owns; the
+  `.grad` of another rank's parameter holds an unspecified partial sum and must not be read. Each
+  rank then sends (w - 1) / w of the gradient bytes, as the reduce-scatter half of an all-reduce;
+  the optimizer's parameter broadcast is the other half.
+
+Buckets (and the owner runs within them) are always started in the same order on every rank, so
+the sequence of collectives is the same everywhere even when gradients become ready in different
+orders on different ranks.
 
 A parameter shared by two modules (tied weights) is one parameter and is reduced once; frozen
-parameters (requires_grad=False) are left alone. A parameter that got no gradient on this rank in
-a step enters the sum as zeros; one that got no gradient on any rank keeps `.grad = None`, as in
-single-process training. For that, each bucket carries one extra element per parameter that
-counts the ranks that produced its gradient.
+parameters (requires_grad=False) are left alone. A parameter whose gradient hook did not run on
+this rank since the last sync enters the sum as zeros; one whose hook ran on no rank ends with
+`.grad = None`, as in single-process training. For that, each bucket carries one extra element
+per parameter that counts the ranks that produced its gradient.
 
 Inside `with ddp.no_sync():` backward only accumulates local gradients (gradient accumulation
 micro-steps), already in the buckets; the next backward outside it reduces the accumulated sum.
 
-The module may be wrapped in torch.compile before DDP: the hooks sit on the parameters
-(post-accumulate-grad hooks), which compiled code leaves to eager autograd. `ddp.module` is the
-wrapped model: save `ddp.module.state_dict()` so checkpoints have no wrapper prefix. Without an
+Compile the blocks of the model, not the whole model (`block.compile()` for each Transformer
+block): a compiled module's backward is one autograd node, so the hooks of its parameters fire
+only when all of its backward is done, and a model compiled whole would start its first bucket at
+the end of backward. `ddp.module` is the wrapped model: save `ddp.module.state_dict()`. Without an
 initialised process group DDP is a world of one and communicates nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,63 +60,77 @@ from torch import nn
 class _Bucket:
     """A flat buffer holding the gradients of some parameters, plus one "has a gradient" flag each.
 
-    Layout: [grad of params[0] | grad of params[1] | ... | flag 0 | flag 1 | ...]; `views[i]` is
-    params[i]'s slice, shaped like the parameter, and is what `params[i].grad` points at.
+    The buffer is cut into runs, one per owner rank (a single run with owner None when every rank
+    gets everything): [grads of the run's params | their flags] for each run in turn. `views[i]` is
+    params[i]'s gradient slice, shaped like the parameter; `flags[i]` its flag element.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.grads = self.buffer[:numel]
-        self.flags = self.buffer[numel:]
-        self.views = []
+    def __init__(self, params: list[nn.Parameter], owners: list[int | None]):
+        order = sorted(range(len(params)), key=lambda i: (-1 if owners[i] is None else owners[i], i))
+        self.params = [params[i] for i in order]
+        self.owners = [owners[i] for i in order]
+        numel = sum(p.numel() for p in params) + len(params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = [None] * len(self.params)
+        self.flags: list[torch.Tensor] = [None] * len(self.params)
+        self.runs: list[tuple[int | None, torch.Tensor, torch.Tensor]] = []  # (owner, run, its grads)
+        self.all_flags: list[torch.Tensor] = []  # the flags of each run
         offset = 0
-        for p in params:
-            self.views.append(self.grads[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.ready = [False] * len(params)
+        for owner in dict.fromkeys(self.owners):
+            members = [i for i, o in enumerate(self.owners) if o == owner]
+            start = offset
+            for i in members:
+                self.views[i] = self.buffer[offset : offset + self.params[i].numel()].view_as(self.params[i])
+                offset += self.params[i].numel()
+            grads_end = offset
+            for i in members:
+                self.flags[i] = self.buffer[offset]
+                offset += 1
+            self.runs.append((owner, self.buffer[start:offset], self.buffer[start:grads_end]))
+            self.all_flags.append(self.buffer[grads_end:offset])
+        self.got = [False] * len(self.params)  # its hook ran since the last sync
+        self.ready = [False] * len(self.params)  # its hook ran outside no_sync in this sync round
         self.num_ready = 0
-        self.num_missing = 0  # parameters without a gradient on this rank in this step
-        self.handle = None
+        self.handles: list = []
 
-    def adopt(self, i: int) -> bool:
-        """Make params[i].grad the bucket's view (copying a fresh gradient in); False if it has none."""
+    def adopt(self, i: int) -> None:
+        """Make params[i].grad the bucket's view, copying in a gradient that autograd made fresh."""
         p, view = self.params[i], self.views[i]
-        if p.grad is None:
-            return False
-        if p.grad.data_ptr() != view.data_ptr():
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
-        return True
 
-    def put(self, i: int) -> None:
-        """Mark params[i] ready: its gradient in the bucket (zeros and flag 0 when it has none)."""
-        if self.adopt(i):
-            self.flags[i].fill_(1)
-        else:
-            self.views[i].zero_()
-            self.flags[i].fill_(0)
-            self.num_missing += 1
-        self.ready[i] = True
-        self.num_ready += 1
+    def close(self) -> None:
+        """Set the flags for this sync: 1 where the hook ran on this rank, else 0 (and the gradient zeroed)."""
+        for flags in self.all_flags:
+            flags.fill_(1)
+        for i, got in enumerate(self.got):
+            if not got:
+                self.views[i].zero_()
+                self.flags[i].fill_(0)
 
     def reset(self) -> None:
+        self.got = [False] * len(self.params)
         self.ready = [False] * len(self.params)
         self.num_ready = 0
-        self.num_missing = 0
-        self.handle = None
+        self.handles = []
 
 
 class DDP(nn.Module):
-    """Wrap `module` for data-parallel training over the default process group; see module docs."""
+    """Wrap `module` for data-parallel training over the default process group; see module docs.
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+    reduce_to: the owner rank of each trainable parameter (`ShardedOptimizer.owner`); when given,
+    each gradient is reduced to its owner only. Read once, at wrap time.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0,
+                 reduce_to: Mapping[nn.Parameter, int] | None = None):
         super().__init__()
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.module = module
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._sync_enabled = True
         self._next_bucket = 0  # buckets are started strictly in order; this one is next
         self._buckets: list[_Bucket] = []
@@ -115,7 +141,13 @@ class DDP(nn.Module):
         self._broadcast_from_rank0()
         # module.parameters() yields each parameter once even when it is tied to several modules.
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self._buckets = [_Bucket(params) for params in _split_into_buckets(trainable[::-1], bucket_size_mb)]
+        if reduce_to is not None:
+            unowned = [i for i, p in enumerate(trainable) if p not in reduce_to]
+            if unowned:
+                raise ValueError(f"reduce_to names no owner for trainable parameters {unowned[:5]}")
+        for params in _split_into_buckets(trainable[::-1], bucket_size_mb):
+            owners = [None if reduce_to is None else reduce_to[p] for p in params]
+            self._buckets.append(_Bucket(params, owners))
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[p] = (b, i)
@@ -124,6 +156,22 @@ class DDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every gradient in place (the buckets, one fill each), keeping `.grad` storage.
+
+        set_to_none=True drops the `.grad`s instead, as nn.Module.zero_grad does (the next backward
+        then allocates fresh gradients, which DDP copies into its buckets).
+        """
+        if set_to_none:
+            self.module.zero_grad(set_to_none=True)
+            return
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+        loose = [p.grad for p in self.module.parameters() if p.grad is not None and p not in self._where]
+        if loose:  # a world of one keeps autograd's own gradients
+            torch._foreach_zero_(loose)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -145,58 +193,70 @@ class DDP(nn.Module):
         """Autograd hook: param.grad is final for this backward; keep it in its bucket."""
         b, i = self._where[param]
         bucket = self._buckets[b]
-        if not self._sync_enabled:
-            bucket.adopt(i)  # accumulate in the bucket, communicate nothing
+        bucket.adopt(i)
+        bucket.got[i] = True
+        if not self._sync_enabled:  # accumulate in the bucket, communicate nothing
             return
-        if bucket.ready[i]:
+        if bucket.ready[i] or b < self._next_bucket:
             raise RuntimeError(
                 "a parameter's gradient became ready twice before finish_gradient_sync(); call "
                 "finish_gradient_sync() after each backward, or use no_sync() for accumulation steps"
             )
-        bucket.put(i)
+        bucket.ready[i] = True
+        bucket.num_ready += 1
         self._start_ready_buckets()
 
     def _start_ready_buckets(self) -> None:
-        """Start the all-reduce of every complete bucket, in bucket order, up to the first incomplete one."""
+        """Start the communication of every complete bucket, in bucket order, up to the first incomplete one."""
         while self._next_bucket < len(self._buckets):
             bucket = self._buckets[self._next_bucket]
             if bucket.num_ready < len(bucket.params):
                 return
-            bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
+            self._start(bucket)
             self._next_bucket += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.close()
+        for owner, run, _ in bucket.runs:
+            if owner is None:
+                bucket.handles.append(dist.all_reduce(run, async_op=True))
+            else:
+                bucket.handles.append(dist.reduce(run, dst=owner, async_op=True))
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Complete the gradient all-reduce of this step; afterwards each `.grad` is the rank average.
+        """Complete the gradient reduction of this step; afterwards each `.grad` is the rank average
+        (with `reduce_to`: on the parameter's owner).
 
-        Parameters whose hook did not fire in this backward contribute their current `.grad` (or
-        zeros). Must be called by every rank after every backward outside `no_sync()`; inside
-        `no_sync()` it does nothing.
+        Parameters whose hook did not fire on this rank since the last sync contribute zeros. Must
+        be called by every rank after every backward outside `no_sync()`; inside `no_sync()` it does
+        nothing.
         """
         if not self._sync_enabled or not self._buckets:
             return
         for bucket in self._buckets[self._next_bucket :]:
-            for i in range(len(bucket.params)):
-                if not bucket.ready[i]:
-                    bucket.put(i)
+            bucket.num_ready = len(bucket.params)
         self._start_ready_buckets()
 
+        mine = []  # (bucket, slot) of the gradients this rank holds the average of
         for bucket in self._buckets:
-            bucket.handle.wait()
-            bucket.grads.div_(self.world_size)
-        # How many ranks produced each parameter's gradient. When this rank produced all of them,
-        # every count is at least 1 and need not be read: no device-to-host copy, no host sync, in
-        # the usual step. Otherwise one copy for all flags.
-        if any(bucket.num_missing for bucket in self._buckets):
-            ranks_with_grad = torch.cat([bucket.flags for bucket in self._buckets]).tolist()
+            for handle in bucket.handles:
+                handle.wait()
+            for owner, _, grads in bucket.runs:
+                if owner is None or owner == self.rank:
+                    grads.div_(self.world_size)
+            mine += [(bucket, i) for i, owner in enumerate(bucket.owners) if owner is None or owner == self.rank]
+        # How many ranks produced each gradient. When this rank produced all of its own, every
+        # count is at least 1 and need not be read: no device-to-host copy, no host sync, in the
+        # usual step. Otherwise one copy for all flags.
+        if all(bucket.got[i] for bucket, i in mine):
+            counts = [1] * len(mine)
         else:
-            ranks_with_grad = [1] * sum(len(bucket.params) for bucket in self._buckets)
-        slot = 0
+            counts = torch.stack([bucket.flags[i] for bucket, i in mine]).tolist()
+        for (bucket, i), count in zip(mine, counts, strict=True):
+            p = bucket.params[i]
+            p.grad = bucket.views[i] if count > 0 else None  # no rank produced one: None
         for bucket in self._buckets:
-            for p, view in zip(bucket.params, bucket.views, strict=True):
-                if ranks_with_grad[slot] > 0:  # else no rank produced one: .grad stays None
-                    p.grad = view
-                slot += 1
             bucket.reset()
         self._next_bucket = 0
 

@@ -1,9 +1,14 @@
 """Optimizer state sharding (ZeRO stage 1): each rank keeps optimizer state for its share only.
 
     opt = ShardedOptimizer(model.parameters(), AdamW, lr=1e-3, weight_decay=0.1)
-    ...; ddp.finish_gradient_sync(); opt.step(); opt.zero_grad()
+    ddp = DDP(model, reduce_to=opt.owner)     # each gradient is reduced to its owner only
+    ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(1.0); opt.step(); ddp.zero_grad()
 
-Every rank holds all parameters and (after DDP) the same averaged gradients. The parameters are
+Every rank holds all parameters. Each needs the averaged gradients of the parameters it owns only:
+with `DDP(reduce_to=opt.owner)` each gradient bucket is reduced to the owners of its parameters,
+so a step sends what one all-reduce would (reduce to the owners, then parameters out to
+everyone), not an all-reduce plus the parameters. Used on its own, on gradients that every rank
+already holds averaged, it works the same (it reads only its own). The parameters are
 split into disjoint shares balanced by element count: largest first, each to the rank with the
 fewest elements so far (ties to the lower rank), so every rank owns within one parameter's size
 of 1/world_size of the elements. Each rank runs a local `optimizer_cls` over its own share only,
@@ -44,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tinylm.nn_utils import scale_to_norm, squared_norms
 
 _ALIGN_BYTES = 64
 
@@ -116,6 +123,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[nn.Parameter]:
         """Every parameter, in global index order."""
         return [p for group in self.param_groups for p in group["params"]]
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank steps (and whose averaged gradients it needs), in global order."""
+        return [p for p in self._params() if self.owner[p] == self.rank]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        """Collective: clip by the global gradient norm as `nn_utils.gradient_clip` does, each gradient
+        read on its owner only; returns the norm before clipping (the same on every rank).
+
+        Each owner computes the squared norms of its parameters' gradients into a vector over all
+        parameters (zeros elsewhere); one all-reduce of that vector (a few bytes per parameter) gives
+        every rank all of them, summed in the same order whatever the world size.
+        """
+        params = self._params()
+        squares = torch.zeros(len(params), dtype=torch.float32, device=params[0].device)
+        mine = [i for i, p in enumerate(params) if self.owner[p] == self.rank and p.grad is not None]
+        grads = [params[i].grad for i in mine]
+        if grads:
+            squares[mine] = squared_norms(grads)
+        if self.world_size > 1:
+            dist.all_reduce(squares)
+        total_norm = squares.sum().sqrt()
+        if grads:
+            scale_to_norm(grads, total_norm, max_norm, eps)
+        return total_norm
 
     @torch.no_grad()
     def step(self, closure=None):
