@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _ddp_ranks
 import _parallel_helpers as helpers
 import pytest
 import torch
@@ -82,3 +83,31 @@ def test_buckets_follow_reverse_order_and_size_limit():
     assert _split_into_buckets(params[::-1], 25.0) == [params[::-1]]
     mixed = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4, dtype=torch.float64))]
     assert len(_split_into_buckets(mixed, 25.0)) == 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(tmp_path, world_size):
+    launch(_ddp_ranks.zero1_matches_single_process, args=(str(tmp_path),), world_size=world_size, timeout_s=60)
+    for result in read_results(tmp_path, world_size):
+        assert result["worst"] <= 1e-6
+        assert result["grads_kept"] > 0
+
+
+def test_sharded_step_sends_no_more_than_ddp_alone(tmp_path):
+    launch(_ddp_ranks.traffic_of_one_step, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    for result in read_results(tmp_path, 2):
+        ddp, sharded = result["ddp"], result["ddp+sharded"]
+        assert set(ddp["sent"]) == {"all_reduce"}
+        assert ddp["sent"]["all_reduce"] >= result["gradient_bytes"]  # world 2: each rank sends it all once
+        assert "all_reduce" in sharded["calls"]  # the clip's one vector of squared norms, nothing more
+        assert sharded["sent"]["all_reduce"] < 0.01 * result["gradient_bytes"]
+        assert sharded["total"] <= 1.05 * ddp["total"], (sharded, ddp)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
+@pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled-blocks"])
+def test_first_all_reduce_starts_early_in_backward(tmp_path, compile_blocks):
+    launch(_ddp_ranks.overlap_in_backward, args=(str(tmp_path), compile_blocks), world_size=2, timeout_s=300)
+    for result in read_results(tmp_path, 2):
+        assert result["fraction"] < 0.6, result["fractions"]

@@ -1,0 +1,202 @@
+"""Rank functions of tests/test_ddp.py for ZeRO-1 traffic, gradient storage and overlap under compile.
+
+They live in a module because mp.spawn pickles a function by its module path. Each asserts inside
+the rank and then writes a small result file that the test reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from _parallel_helpers import (
+    _param_groups,
+    assert_params_close,
+    global_batch,
+    lm_loss,
+    make_toy,
+    rank_slice,
+    write_result,
+)
+
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy, gradient_clip
+from tinylm.optim import AdamW
+from tinylm.parallel import DDP, ShardedOptimizer
+
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+class ByteCounter:
+    """Wraps torch.distributed's collectives and sums the bytes this rank sends, by kind.
+
+    Bytes sent per call, for a tensor of n bytes in a world of w (ring algorithms): all_reduce
+    2 (w - 1) / w * n; reduce: n unless this rank is the destination; broadcast: n if this rank is
+    the source. (At w = 2 these are exact for every algorithm.)
+    """
+
+    def __init__(self):
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._originals = {}
+
+    def __enter__(self) -> ByteCounter:
+        rank, w = dist.get_rank(), dist.get_world_size()
+
+        def wrap(kind, original):
+            def counted(tensor, *args, **kwargs):
+                n = tensor.numel() * tensor.element_size()
+                if kind == "all_reduce":
+                    sent = 2 * (w - 1) / w * n
+                elif kind == "reduce":
+                    sent = 0 if kwargs.get("dst", args[0] if args else None) == rank else n
+                else:  # broadcast
+                    sent = n if kwargs.get("src", args[0] if args else None) == rank else 0
+                self.sent[kind] = self.sent.get(kind, 0) + sent
+                self.calls[kind] = self.calls.get(kind, 0) + 1
+                return original(tensor, *args, **kwargs)
+
+            return counted
+
+        for kind in ("all_reduce", "reduce", "broadcast"):
+            self._originals[kind] = getattr(dist, kind)
+            setattr(dist, kind, wrap(kind, self._originals[kind]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for kind, original in self._originals.items():
+            setattr(dist, kind, original)
+
+    @property
+    def total(self) -> float:
+        return sum(self.sent.values())
+
+
+def zero1_matches_single_process(ctx, out_dir: str) -> None:
+    """DDP(reduce_to=owner) + ShardedOptimizer(AdamW) + its global clip equals single-process AdamW.
+
+    The loop zeroes the buckets (ddp.zero_grad()), so from the first step on every `.grad` keeps
+    its storage; each owner's gradients equal the reference's; the clipped norm is the
+    reference's; the parameters agree after every step. Rank 1 alone uses the `extra` layer in
+    some steps (a gradient missing on one rank), and `unused` never gets a gradient.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    model, reference = make_toy(seed=40 + rank), make_toy(seed=40)
+    optimizer = ShardedOptimizer(_param_groups(model), AdamW, bucket_size_mb=1e-4, lr=1e-2)
+    ref_optimizer = AdamW(_param_groups(reference), lr=1e-2)
+    ddp = DDP(model, bucket_size_mb=3e-4, reduce_to=optimizer.owner)
+    assert_params_close(model, reference, 0.0, "after wrapping")
+    owned = set(optimizer.owned_parameters())
+    storage = {}
+    worst = 0.0
+    for step in range(6):
+        use_extra = step % 2 == 1
+        ddp.zero_grad()
+        x, y = global_batch(step, 2 * world)
+        lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world), use_extra and rank == 1).backward()
+        ddp.finish_gradient_sync()
+        losses = [lm_loss(reference, rank_slice(x, r, world), rank_slice(y, r, world), use_extra and r == 1)
+                  for r in range(world)]
+        (sum(losses) / world).backward()
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if p in owned:
+                if ref.grad is None:
+                    assert p.grad is None, f"step {step}: {name} should have no gradient"
+                else:
+                    # float64 gradients; the clip factor is float32, so the runs drift apart at ~1e-7
+                    torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=1e-9,
+                                               msg=f"step {step}: gradient of {name}")
+            if p.grad is not None:
+                if name in storage:
+                    assert p.grad.data_ptr() == storage[name], f"step {step}: the gradient of {name} moved"
+                storage[name] = p.grad.data_ptr()
+        norm = optimizer.clip_grad_norm_(0.05)
+        ref_norm = gradient_clip(reference.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm.float(), rtol=1e-6, atol=0)
+        optimizer.step()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        worst = max(worst, assert_params_close(model, reference, 1e-6, f"step {step}"))
+    assert model.unused.grad is None or model.unused not in owned
+    write_result(out_dir, rank, {"worst": worst, "grads_kept": len(storage)})
+
+
+def _small_transformer(seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(vocab_size=256, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=128)
+
+
+def traffic_of_one_step(ctx, out_dir: str) -> None:
+    """Bytes each rank sends in one training step: DDP + AdamW, and DDP(reduce_to) + ShardedOptimizer."""
+    world, rank = ctx.world_size, ctx.rank
+    result = {}
+    for name in ("ddp", "ddp+sharded"):
+        model = _small_transformer(seed=3)
+        if name == "ddp":
+            optimizer, ddp = AdamW(model.parameters(), lr=1e-3), DDP(model)
+        else:
+            optimizer = ShardedOptimizer(model.parameters(), AdamW, lr=1e-3)
+            ddp = DDP(model, reduce_to=optimizer.owner)
+        ids = torch.randint(0, 256, (2 * world, 33), generator=torch.Generator().manual_seed(0))
+        x, y = rank_slice(ids[:, :-1], rank, world), rank_slice(ids[:, 1:], rank, world)
+        with ByteCounter() as counter:
+            ddp.zero_grad()
+            cross_entropy(ddp(x), y).backward()
+            ddp.finish_gradient_sync()
+            if name == "ddp":
+                gradient_clip(model.parameters(), 1.0)
+            else:
+                optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+        result[name] = {"sent": counter.sent, "calls": counter.calls, "total": counter.total}
+    result["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    write_result(out_dir, rank, result)
+
+
+def overlap_in_backward(ctx, out_dir: str, compile_blocks: bool) -> None:
+    """When, within backward's wall time, the first bucket's all-reduce starts (eager or compiled blocks).
+
+    Two warm-up steps (compilation) first; then the fraction of backward's time that passed before
+    the first all_reduce call, the median of five steps. Also checks that the compiled model trains
+    like the eager one.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    model = _small_transformer(seed=11)
+    eager = copy.deepcopy(model)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+    ddp = DDP(model, bucket_size_mb=0.05)  # the output head alone is more than one bucket
+    eager_ddp = DDP(eager, bucket_size_mb=0.05)
+    optimizer, eager_optimizer = AdamW(model.parameters(), lr=1e-3), AdamW(eager.parameters(), lr=1e-3)
+    original = dist.all_reduce
+    fractions = []
+    for step in range(7):
+        ids = torch.randint(0, 256, (8 * world, 33), generator=torch.Generator().manual_seed(step))
+        x, y = rank_slice(ids[:, :-1], rank, world), rank_slice(ids[:, 1:], rank, world)
+        for d, opt in ((ddp, optimizer), (eager_ddp, eager_optimizer)):
+            d.zero_grad()
+            loss = cross_entropy(d(x), y)
+            first = []
+
+            def timed_all_reduce(tensor, *args, **kwargs):
+                if not first:
+                    first.append(time.perf_counter())
+                return original(tensor, *args, **kwargs)
+
+            dist.all_reduce = timed_all_reduce
+            try:
+                began = time.perf_counter()
+                loss.backward()
+                ended = time.perf_counter()
+            finally:
+                dist.all_reduce = original
+            d.finish_gradient_sync()
+            opt.step()
+            if d is ddp and step >= 2:
+                fractions.append((first[0] - began) / (ended - began) if first else 1.0)
+        assert_params_close(model, eager, 1e-4, f"compiled against eager, step {step}")
+    fractions.sort()
+    write_result(out_dir, rank, {"fraction": fractions[len(fractions) // 2], "fractions": fractions})
