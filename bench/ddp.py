@@ -12,11 +12,15 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
        A  tinylm DDP + AdamW                  B  torch DDP + AdamW
        C  tinylm DDP + ShardedOptimizer       D  torch DDP + ZeroRedundancyOptimizer
 
-   A step is forward, backward, gradient sync, optimizer step, zero_grad(set_to_none=True).
-   Reported: the median step time over the measured steps (for tinylm also the time spent in
-   finish_gradient_sync(), the all-reduce that backward could not hide), tokens per second,
-   optimizer state bytes per rank, and the collectives one ShardedOptimizer / ZeroRedundancyOptimizer
-   step issues (counted). A and B must end with the same parameters (checked).
+   A step is zero the gradients, forward, backward, gradient sync, optimizer step: each side the
+   way it is meant to be used (tinylm: `ddp.zero_grad()`, which zeroes the buckets in place, and in
+   C `DDP(reduce_to=optimizer.owner)`, each gradient reduced to its owner only; torch:
+   `zero_grad(set_to_none=True)`, its default). Reported: the median step time over the measured
+   steps (for tinylm also the time spent in finish_gradient_sync(), the communication that
+   backward could not hide), tokens per second, optimizer state bytes per rank, the collectives one
+   ShardedOptimizer / ZeroRedundancyOptimizer step issues (counted), and the bytes each rank sends
+   in one step by collective kind (counted outside the timed steps, see `ByteCounter`). A and B
+   must end with the same parameters (checked).
 2. Memory during a step: each variant alone in a fresh pair of processes; the peak resident set
    (VmHWM, reset after the first step) of each rank over the next steps. glibc's mmap threshold is
    pinned to 64 KiB (MALLOC_MMAP_THRESHOLD_) in the processes of parts 2 and 3, so that a freed
@@ -28,6 +32,9 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
    optimizer state with all_gather_object, rank 0 torch.saves and hashes it; every rank hashes and
    torch.loads the whole file).
 4. The same global batch on world size 1 with two threads (plain model + AdamW) for comparison.
+5. Overlap: the fraction of backward's wall time that passes before the first all-reduce starts
+   (tinylm DDP, 1 MB buckets), eager, with each Transformer block compiled (as the trainer does),
+   and with the whole model compiled; the median of 5 steps after 2 warm-up steps.
 """
 
 from __future__ import annotations
@@ -67,18 +74,20 @@ def make_model() -> Transformer:
 
 def make_variant(name: str):
     """(wrapped model, optimizer, the call that completes the gradient sync) for one variant."""
-    if name.startswith(("A", "C")):
-        model = DDP(make_model(), BUCKET_MB)
-        finish = model.finish_gradient_sync
-    else:
-        model = DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_MB)
-        finish = lambda: None  # noqa: E731 - torch's DDP finishes inside backward
-    if name.startswith("A") or name.startswith("B"):
+    model = make_model()
+    if name.startswith("A"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model = DDP(model, BUCKET_MB)
     elif name.startswith("C"):
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, lr=LR)
+        model = DDP(model, BUCKET_MB, reduce_to=optimizer.owner)
     else:
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        model = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        if name.startswith("B"):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        else:
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    finish = model.finish_gradient_sync if isinstance(model, DDP) else (lambda: None)  # torch: inside backward
     return model, optimizer, finish
 
 
@@ -97,14 +106,72 @@ def state_bytes(optimizer) -> int:
 def timed_step(model, optimizer, finish, x, y) -> tuple[float, float]:
     """One training step; returns (step seconds, seconds spent in finish())."""
     start = time.perf_counter()
+    if isinstance(model, DDP):
+        model.zero_grad()  # the buckets, in place
+    else:
+        optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     before_finish = time.perf_counter()
     finish()
     after_finish = time.perf_counter()
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start, after_finish - before_finish
+
+
+class ByteCounter:
+    """Counts the bytes this rank sends, by collective kind, while it is active.
+
+    torch.distributed's Python collectives are wrapped; torch's DistributedDataParallel all-reduces
+    from C++, so its buckets are counted by a communication hook (`hook_for`) that then runs the
+    usual all-reduce. Bytes sent per call, for n bytes in a world of w (ring algorithms):
+    all_reduce 2 (w - 1) / w * n; reduce: n unless this rank is the destination; broadcast: n if
+    this rank is the source. At w = 2 these are exact for any algorithm.
+    """
+
+    KINDS = ("all_reduce", "reduce", "broadcast")
+
+    def __init__(self):
+        self.sent = {kind: 0.0 for kind in self.KINDS}
+        self.active = False
+        self._originals = {kind: getattr(dist, kind) for kind in self.KINDS}
+        for kind in self.KINDS:
+            setattr(dist, kind, self._wrap(kind))
+
+    def close(self) -> None:
+        for kind, original in self._originals.items():
+            setattr(dist, kind, original)
+
+    def add(self, kind: str, tensor: torch.Tensor, peer: int | None = None) -> None:
+        if not self.active:
+            return
+        n, rank, w = tensor.numel() * tensor.element_size(), dist.get_rank(), dist.get_world_size()
+        if kind == "all_reduce":
+            self.sent[kind] += 2 * (w - 1) / w * n
+        elif kind == "reduce":
+            self.sent[kind] += 0 if peer == rank else n
+        else:
+            self.sent[kind] += n if peer == rank else 0
+
+    def _wrap(self, kind: str):
+        original = self._originals[kind]
+
+        def counted(tensor, *args, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src", args[0] if args else None))
+            self.add(kind, tensor, peer)
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+    def hook_for(self):
+        """A torch DDP communication hook: count the bucket, then all-reduce it as torch does."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(state, bucket):
+            self.add("all_reduce", bucket.buffer())
+            return allreduce_hook(state, bucket)
+
+        return hook
 
 
 def count_collectives(fn) -> int:
@@ -152,6 +219,18 @@ def run_step_times(ctx, args, out_path: str) -> None:
         finish()
         collectives[name] = count_collectives(optimizer.step)
         optimizer.zero_grad(set_to_none=True)
+    counter = ByteCounter()  # one more step of each variant, its bytes counted
+    sent = {}
+    for name, (model, optimizer, finish) in variants.items():
+        if isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, counter.hook_for())
+        x, y = batch(0, ctx.rank, args.batch_per_rank)
+        counter.sent = {kind: 0.0 for kind in counter.KINDS}
+        counter.active = True
+        timed_step(model, optimizer, finish, x, y)
+        counter.active = False
+        sent[name] = dict(counter.sent)
+    counter.close()
 
     ours, theirs = variants[VARIANTS[0]][0], variants[VARIANTS[1]][0]
     max_diff = max((a - b).abs().max().item()
@@ -163,6 +242,7 @@ def run_step_times(ctx, args, out_path: str) -> None:
                 "finish_s": statistics.median(finish_times[name]),
                 "optimizer_state_bytes": state_bytes(optimizer),
                 "collectives_per_optimizer_step": collectives.get(name),
+                "bytes_sent": sent[name],
             }
             for name, (_, optimizer, _) in variants.items()
         }
@@ -285,6 +365,44 @@ def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
                                            "seconds": seconds, "own_share_mib": state_bytes(optimizer) / MIB})
 
 
+# ---------------------------------------------------------------- 5. overlap of communication and backward
+
+
+def run_overlap(ctx, args, how: str, out_path: str) -> None:
+    """Fraction of backward's wall time before the first all-reduce starts (median of 5 steps)."""
+    model = make_model()
+    if how == "compiled blocks":
+        for block in model.layers:
+            block.compile()
+    elif how == "compiled whole model":
+        model = torch.compile(model)
+    ddp = DDP(model, bucket_size_mb=1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    original = dist.all_reduce
+    fractions = []
+    for step in range(7):
+        x, y = batch(step, ctx.rank, args.batch_per_rank)
+        ddp.zero_grad()
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        first = []
+
+        def timed(tensor, *a, first=first, **k):
+            first.append(first[0] if first else time.perf_counter())
+            return original(tensor, *a, **k)
+
+        dist.all_reduce = timed
+        began = time.perf_counter()
+        loss.backward()
+        ended = time.perf_counter()
+        dist.all_reduce = original
+        ddp.finish_gradient_sync()
+        optimizer.step()
+        if step >= 2:
+            fractions.append((first[0] - began) / (ended - began) if first else 1.0)
+    if ctx.is_main:
+        Path(out_path).write_text(json.dumps({"fraction": statistics.median(fractions)}))
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -292,7 +410,8 @@ def _read_ranks(out_dir: Path) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def report(two: dict, one: dict, memory: dict, checkpoint: dict, args, load_before, load_after) -> str:
+def report(two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, args, load_before,
+           load_after) -> str:
     tokens = 2 * args.batch_per_rank * SMALL["context_length"]
     a, b = two[VARIANTS[0]]["step_s"], two[VARIANTS[1]]["step_s"]
     c, d = two[VARIANTS[2]]["step_s"], two[VARIANTS[3]]["step_s"]
@@ -320,18 +439,36 @@ def report(two: dict, one: dict, memory: dict, checkpoint: dict, args, load_befo
         f"- tinylm DDP / torch DDP step time: **{a / b:.3f}x** (target <= 1.0x)",
         f"- tinylm DDP + ShardedOptimizer / torch DDP + ZeroRedundancyOptimizer step time: **{c / d:.3f}x** "
         "(target <= 1.0x)",
+        f"- tinylm DDP + ShardedOptimizer / tinylm DDP + AdamW step time: **{c / a:.3f}x** (target <= 1.05x)",
         f"- peak RSS per rank in a step, tinylm DDP / torch DDP: **{peak[VARIANTS[0]] / peak[VARIANTS[1]]:.3f}x**; "
         f"with the sharded optimizers: **{peak[VARIANTS[2]] / peak[VARIANTS[3]]:.3f}x** (target <= 1.0x)",
         f"- collectives per optimizer step: ShardedOptimizer "
         f"**{two[VARIANTS[2]]['collectives_per_optimizer_step']}**, ZeroRedundancyOptimizer "
         f"{two[VARIANTS[3]]['collectives_per_optimizer_step']} (one broadcast per parameter tensor: "
         f"{two['num_parameter_tensors']})",
-        f"- ShardedOptimizer / AdamW step time (both with tinylm DDP): {c / a:.3f}x; state per rank "
+        f"- ShardedOptimizer state per rank "
         f"{two[VARIANTS[2]]['optimizer_state_bytes'] / MIB:.1f} MiB instead of "
         f"{two[VARIANTS[0]]['optimizer_state_bytes'] / MIB:.1f} MiB",
         f"- unhidden all-reduce (finish_gradient_sync) in tinylm DDP: {two[VARIANTS[0]]['finish_s'] / a:.1%} of a step",
         f"- world 2 x 1 thread (tinylm DDP) / world 1 x 2 threads step time: {a / one['step_s']:.3f}x",
         f"- largest parameter difference between A and B after all steps: {two['max_param_diff_A_B']:.2e}",
+        "",
+        "Bytes each rank sends in one step, by collective kind (MiB; ring model, exact at world 2):",
+        "",
+        "| setup | all_reduce | reduce | broadcast | total | / torch DDP |",
+        "|---|---|---|---|---|---|",
+    ]
+    ddp_total = sum(two[VARIANTS[1]]["bytes_sent"].values())
+    for name in VARIANTS:
+        sent = two[name]["bytes_sent"]
+        total = sum(sent.values())
+        lines.append(f"| {name} | " + " | ".join(f"{sent[k] / MIB:.2f}" for k in ("all_reduce", "reduce", "broadcast"))
+                     + f" | {total / MIB:.2f} | {total / ddp_total:.3f}x |")
+    lines += [
+        "",
+        "Overlap: share of backward's wall time that passed before the first all-reduce started "
+        "(tinylm DDP, 1 MB buckets, median of 5 steps): "
+        + ", ".join(f"{how} **{fraction:.0%}**" for how, fraction in overlap.items()),
         "",
         "Checkpoint of variant C (model + ShardedOptimizer) after 2 steps. Rise = peak RSS during the "
         "call minus RSS just before it (MiB).",
@@ -378,8 +515,13 @@ def main() -> None:
                 launch(fn, args=(args, how, str(folder), str(out)), **common)
                 checkpoint[(how, op)] = _read_ranks(out)
         two, one = json.loads((tmp / "two.json").read_text()), json.loads((tmp / "one.json").read_text())
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        overlap = {}
+        for i, how in enumerate(("eager", "compiled blocks", "compiled whole model")):
+            launch(run_overlap, args=(args, how, str(tmp / f"overlap{i}.json")), **common)
+            overlap[how] = json.loads((tmp / f"overlap{i}.json").read_text())["fraction"]
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = report(two, one, memory, checkpoint, args, load_before, load_after)
+    text = report(two, one, memory, checkpoint, overlap, args, load_before, load_after)
     sys.stdout.write(text)
     if args.out is not None:
         args.out.write_text(text)

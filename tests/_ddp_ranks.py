@@ -181,7 +181,7 @@ def overlap_in_backward(ctx, out_dir: str, compile_blocks: bool) -> None:
             loss = cross_entropy(d(x), y)
             first = []
 
-            def timed_all_reduce(tensor, *args, **kwargs):
+            def timed_all_reduce(tensor, *args, first=first, **kwargs):
                 if not first:
                     first.append(time.perf_counter())
                 return original(tensor, *args, **kwargs)

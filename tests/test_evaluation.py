@@ -109,7 +109,9 @@ def publish(folder: Path, steps, seed: int = 0, dtype: str | None = None) -> Pat
         model = tiny_model(seed + step)
         payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step * 64,
                    "model_config": CONFIG, "rng": []}
-        manifest = {"world_size": 1} if dtype is None else {"world_size": 1, "config": {"train": {"dtype": dtype}}}
+        manifest = {"world_size": 1, "tokens_seen": step * 64}
+        if dtype is not None:
+            manifest["config"] = {"train": {"dtype": dtype}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=10)
     state_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
@@ -241,3 +243,80 @@ def test_eval_csv_starts_with_notes_and_reads_back(tmp_path):
     back = read_eval(tmp_path / "eval.csv")
     assert list(back.columns) == evaluation.COLUMNS and list(back["step"]) == [1, 2]
     assert np.allclose(back["val_loss"], table["val_loss"], atol=1e-6)
+
+
+def test_a_rerun_with_nothing_new_reads_no_checkpoint(tmp_path, monkeypatch):
+    tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(60, seed=6))
+    tokenizer, cache = tiny_tokenizer(), tmp_path / "eval_cache"
+    ckpt = publish(tmp_path, [1, 2])
+    first = evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=cache)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a checkpoint was read although its scores are cached")
+
+    monkeypatch.setattr(state_lib, "load_model", no_loading)
+    monkeypatch.setattr(state_lib, "CheckpointReader", no_loading)
+    pd.testing.assert_frame_equal(evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=cache), first)
+    with pytest.raises(AssertionError, match="was read"):  # the patch does guard the loading path
+        evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=tmp_path / "empty_cache")
+
+
+LARGE = dict(vocab_size=32000, context_length=64, d_model=768, num_layers=12, num_heads=12, d_ff=2048,
+             rope_theta=10000.0)
+
+
+@pytest.mark.slow
+def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path):
+    """`python -m tinylm evaluate` on two checkpoints of a 134M-parameter model (the newest with its
+    AdamW moments, 3x the weights) peaks under the weights' size + 600 MB; a rerun with nothing new
+    is served by the cache in under 5 s."""
+    import subprocess
+    import sys
+    import time
+
+    torch.manual_seed(0)
+    model = Transformer(**LARGE)
+    weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    assert sum(p.numel() for p in model.parameters()) >= 100e6
+    for step in (1, 2):
+        state = model.state_dict()
+        moments = {i: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
+                       "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}
+        payload = {"model": state, "optimizer": {"state": moments, "param_groups": [
+            {"lr": 1e-3, "params": list(moments)}]}, "iteration": step, "model_config": LARGE}
+        state_lib.commit(tmp_path / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10)
+        del moments, payload
+    state_lib.publish(tmp_path / "state", tmp_path / "ckpt")
+    del model, state
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256] = EOT.encode()
+    merges = [(bytes([a]), bytes([b])) for a in range(256) for b in range(256)][: 32000 - 257]
+    for a, b in merges:
+        vocab[len(vocab)] = a + b
+    Tokenizer(vocab, merges, [EOT]).save(tmp_path / "tokenizer.json")
+    tokens = np.random.default_rng(0).integers(0, 32000, 200).astype(np.uint16)
+    write_tokens(tmp_path / "valid.npy", tokens)
+    (tmp_path / "config.yaml").write_text("evaluate:\n  batch_size: 2\n  threads: 1\n")
+    arguments = ["evaluate", "--config", str(tmp_path / "config.yaml"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--valid-tokens", str(tmp_path / "valid.npy"),
+                 "--output", str(tmp_path / "eval.csv"), "--plot", str(tmp_path / "eval.png"),
+                 "--cache-dir", str(tmp_path / "cache")]
+    # The CLI, then the process's own peak resident set (VmHWM: ru_maxrss would count this large
+    # pytest process, from which the child was forked).
+    script = (f"import runpy, sys; sys.argv = ['tinylm', *{arguments!r}]\n"
+              "try:\n    runpy.run_module('tinylm', run_name='__main__')\n"
+              "finally:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)")
+
+    def run() -> tuple[float, float]:
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        peak_kib = int(done.stderr.rsplit("VmHWM:", 1)[1].split()[0])
+        return peak_kib / 1024, time.perf_counter() - began
+
+    peak_mib, _ = run()
+    assert peak_mib < weights_mb + 600, f"peak RSS {peak_mib:.0f} MiB for {weights_mb:.0f} MiB of weights"
+    assert len(read_eval(tmp_path / "eval.csv")) == 2
+    _, seconds = run()
+    assert seconds < 5, f"a rerun with nothing new took {seconds:.1f} s"

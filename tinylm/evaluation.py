@@ -21,9 +21,11 @@ computed in float32 and summed in float64.
 A checkpoint already scored (same weights, same scored tokens, same settings) is not scored
 again: its sums are kept in a cache folder outside Snakemake's declared outputs (Snakemake deletes
 those before a rerun), one small JSON file per checkpoint, written atomically. So evaluating after
-more training costs only the new checkpoints. The key hashes the model's tensors, not the file:
-a step's published file changes when a newer step is published (the full state is cut to its
-weights), while its weights do not.
+more training costs only the new checkpoints, and a rerun with nothing new reads no checkpoint at
+all. The key is the weights' identity recorded in the checkpoint's manifest (`weights_sha256`,
+hashed while the tensors were written), not the file: a step's published file changes when a newer
+step is published (the full state is cut to its weights), while its weights do not. A checkpoint
+is read for its model tensors only (`state.load_model`), never for its optimizer state.
 """
 
 from __future__ import annotations
@@ -42,16 +44,16 @@ import torch
 from tqdm import tqdm
 
 from tinylm import state as state_lib
+from tinylm.checkpoint import CheckpointError
 from tinylm.data import load_tokens
 from tinylm.io import atomic_path, atomic_write_text
-from tinylm.model import Transformer
 from tinylm.precision import autocast, dtype_name, resolve_dtype
 from tinylm.tokenizer import Tokenizer
 
 COLUMNS = ["step", "tokens_seen", "val_loss", "val_ppl", "bits_per_byte", "unigram_entropy", "gap_to_unigram"]
 
 # Bumped whenever the scoring changes, so that older cache entries are not reused.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 # Tokens read at a time when scanning the validation file (bounds the memory of the scan).
 SCAN_TOKENS = 1 << 24
@@ -165,16 +167,14 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
 
     rows = []
     for step in steps:
-        path = Path(checkpoint_dir) / f"step_{step}.pt"
-        payload, manifest = state_lib.load_verified(path, map_location="cpu")
-        config = payload["model_config"]
-        if config["vocab_size"] != vocab_size:
-            raise ValueError(f"{path}: model vocabulary {config['vocab_size']} differs from the tokenizer's {vocab_size}")
+        manifest = state_lib.published_manifest(checkpoint_dir, step)
         train_dtype = manifest.get("config", {}).get("train", {}).get("dtype", "float32")
         dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
+        # The manifest names the weights (recorded while they were written) and the tokens seen, so
+        # a checkpoint scored before is found without reading a byte of it.
         key = {
             "version": CACHE_VERSION,
-            "weights_sha256": weights_sha256(payload["model"], config),
+            "weights_sha256": manifest.get("weights_sha256"),
             "tokens_sha256": stats.sha256,
             "num_tokens": stats.num_tokens,
             "special_ids": special_ids,
@@ -183,19 +183,24 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
             "dtype": dtype_name(dtype),
             "torch": torch.__version__,
         }
-        tokens_seen = int(payload["tokens_seen"])
-        scores = _read_cache(cache_dir, key)
-        if scores is None:
-            model = Transformer(**config, device=device)
-            model.load_state_dict(payload["model"])
-            scores = score_tokens(model, tokens, config["context_length"], batch_size, special_ids, device,
-                                  dtype, progress)
+        if "tokens_seen" not in manifest:
+            raise CheckpointError(f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                                  f"tokens_seen (written by an older tinylm: train again to publish it anew)")
+        tokens_seen = int(manifest["tokens_seen"])
+        cacheable = key["weights_sha256"] is not None
+        cached = _read_cache(cache_dir, key) if cacheable else None
+        if cached is None:
+            model, _ = state_lib.load_model(checkpoint_dir, step, device)
+            check_vocabulary(model.vocab_size, tokenizer, Path(checkpoint_dir) / f"step_{step}.pt")
+            scores = score_tokens(model, tokens, model.context_length, batch_size, special_ids, device, dtype,
+                                  progress)
             del model
-            _write_cache(cache_dir, key, scores)
+            if cacheable:
+                _write_cache(cache_dir, key, scores)
             how = f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}"
         else:
+            scores = cached
             how = "cached"
-        del payload
         rows.append(_row(step, tokens_seen, scores, stats))
         print(f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
               f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})", file=sys.stderr)
@@ -229,14 +234,11 @@ def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> l
     ]
 
 
-def weights_sha256(state_dict: dict[str, torch.Tensor], model_config: dict) -> str:
-    """sha256 of a model: its config and, in key order, each tensor's name, dtype, shape and bytes."""
-    digest = hashlib.sha256(json.dumps(model_config, sort_keys=True).encode())
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def check_vocabulary(model_vocab_size: int, tokenizer: Tokenizer, where: str | os.PathLike) -> None:
+    """Refuse a model whose vocabulary is not the tokenizer's (its logits would not mean its ids)."""
+    if model_vocab_size != len(tokenizer.vocab):
+        raise ValueError(f"{where}: model vocabulary {model_vocab_size} differs from the tokenizer's "
+                         f"{len(tokenizer.vocab)}")
 
 
 def _cache_path(cache_dir: str | os.PathLike, key: dict) -> Path:

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from tinylm.generating import load_model
 from tinylm.io import atomic_dir
 from tinylm.model import Transformer
+from tinylm.state import load_model
 from tinylm.tokenizer import Tokenizer
 from tinylm.tokenizer.tokenizer import gpt2_byte_to_char
 

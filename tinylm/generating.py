@@ -11,7 +11,6 @@ Two generation paths give the same ids for the same generator:
 from __future__ import annotations
 
 import codecs
-import inspect
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,11 +19,10 @@ from typing import TextIO
 import pandas as pd
 import torch
 
-from tinylm import state as state_lib
-from tinylm.checkpoint import CheckpointError
 from tinylm.io import atomic_write_text
 from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
+from tinylm.state import load_model
 from tinylm.tokenizer import Tokenizer
 
 # Most likely tokens `nucleus` tries first; when their mass is below top_p it sorts all tokens.
@@ -144,43 +142,6 @@ def stream_text(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
             yield text
     if text := decoder.decode(b"", final=True):
         yield text
-
-
-def load_model(checkpoint_dir: str | os.PathLike, step: int | None = None,
-               device: str | torch.device = "cpu") -> tuple[Transformer, int]:
-    """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
-
-    The file is checked against its manifest and loaded with weights_only=True on the CPU; the
-    model is rebuilt from the config stored in it, then moved to `device`. A checkpoint without a
-    model config, or whose weights do not fit that config, is a CheckpointError naming the file.
-    """
-    steps = state_lib.published_steps(checkpoint_dir)
-    if not steps:
-        raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ValueError(f"{checkpoint_dir}: no published checkpoint of step {step} (published: {steps})")
-    path = Path(checkpoint_dir) / f"step_{step}.pt"
-    payload, _ = state_lib.load_verified(path, map_location="cpu")
-    config = payload.get("model_config")
-    expected_keys = set(inspect.signature(Transformer).parameters) - {"device", "dtype"}
-    if not isinstance(config, dict) or set(config) != expected_keys:
-        raise CheckpointError(f"{path}: model_config {config!r} does not hold exactly the keys "
-                              f"{sorted(expected_keys)}")
-    try:
-        model = Transformer(**config)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: model_config {config}: {e}") from None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in payload["model"].items()}
-    if found != expected:
-        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-        wrong = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
-        raise CheckpointError(f"{path}: its weights do not fit its model_config: missing {missing}, unexpected "
-                              f"{unexpected}, wrong shape {[(k, found[k], expected[k]) for k in wrong]}")
-    model.load_state_dict(payload["model"])
-    return model.to(device), step
 
 
 def load_for_sampling(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,

@@ -11,8 +11,9 @@ Layout of a state folder (resume state, outside Snakemake's declared outputs):
         weights.pt              model, iteration and the trainer's entries: what evaluation and
                                 generation need of a step
         manifest.json           written last: format, step, world_size, threads_per_rank, seed,
-                                structural hash, tokenizer sha256, the config, torch version, and
-                                for each file its byte ranges with their sha256
+                                structural hash, tokenizer sha256, the config, torch version,
+                                weights_sha256 (the model tensors' identity, equal in both files),
+                                and for each file its byte ranges with their sha256
       published/step_500.pt     + step_500.json: the newest committed step's checkpoint.pt (the
                                 seed's full format) and every older step's weights.pt (hard links)
 
@@ -35,7 +36,9 @@ into this rank's own optimizer state (on the parameters' device; AdamW's `step` 
 tensors): the model and the rank's own share, nothing else, each piece checked against the
 manifest before it is used. The full state is in torch's consolidated format, keyed by global
 parameter index, so a step saved at one world size (or with a plain optimizer) resumes at any
-other. `load_verified` checks a whole file in one pass and loads it (evaluation, generation).
+other. `load_model` builds the model of a published step and reads only its weights from the
+file, each tensor checked as it is read, never the optimizer state (evaluation, generation,
+export); `load_verified` checks a whole file in one pass and loads all of it.
 
 A step folder without a manifest is an interrupted write and does not exist for the loader; the
 next commit removes it. Every byte is checked against the manifest's sha256 before it is parsed or
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import inspect
 import json
 import os
 import re
@@ -72,6 +77,7 @@ from tinylm.checkpoint import (
     write_tensors,
 )
 from tinylm.io import atomic_path, atomic_write_text, fsync_dir
+from tinylm.model import RotaryEmbedding, Transformer
 from tinylm.parallel.heartbeat import Heartbeat
 from tinylm.parallel.sharded import ShardedOptimizer
 
@@ -116,7 +122,7 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
     """Collective: commit `step` of this run to `state_dir`; every rank calls it. Returns the folder.
 
     ctx: the rank's RankContext (rank, world_size, store, timeout_s); model: the model (not a DDP
-    wrapper; a torch.compile wrapper is looked through); optimizer: a ShardedOptimizer or a plain
+    wrapper); optimizer: a ShardedOptimizer or a plain
     optimizer (the same on every rank); manifest: the run's identity, written into the manifest;
     entries: plain values for the top of the checkpoint (rank 0's are written); per_rank: plain
     values of this rank (RNG states, a gradient scaler's state), saved as lists over the ranks
@@ -128,7 +134,6 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         if key in (*REQUIRED_KEYS, *WEIGHTS_KEYS):
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
-    model = getattr(model, "_orig_mod", model)
     model_state = model.state_dict()
     sharded = isinstance(optimizer, ShardedOptimizer)
     optimizer_state = optimizer.sharded_state_dict() if sharded else optimizer.state_dict()
@@ -210,6 +215,9 @@ def _commit_files(heartbeat: Heartbeat, state_dir: str | os.PathLike, step: int,
             described = {name: layouts[name].entry(merged[name]) for name in files}
             manifest = {**manifest, "format": FORMAT, "step": step, "torch_version": torch.__version__,
                         "files": described}
+            if "model" in files.get(WEIGHTS, {}):
+                manifest["weights_sha256"] = _weights_sha256(files[WEIGHTS]["model"], layouts[WEIGHTS],
+                                                             merged[WEIGHTS])
             atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             _republish(Path(state_dir))
             _prune(Path(state_dir), keep)
@@ -220,6 +228,19 @@ def _commit_files(heartbeat: Heartbeat, state_dir: str | os.PathLike, step: int,
         raise
     heartbeat.wait({"done": 0}, "committing the checkpoint")
     return folder
+
+
+def _weights_sha256(model_state: dict[str, torch.Tensor], layout: Layout, hashes: dict[int, str]) -> str:
+    """The model's identity: sha256 over each tensor's name, dtype, shape and the sha256 of its bytes.
+
+    Computed from the hashes taken while writing, so nothing is read again; the same weights give
+    the same value in checkpoint.pt and weights.pt, and at any world size.
+    """
+    described = []
+    for name, tensor in model_state.items():
+        offset, nbytes = layout.records[("model", name)]
+        described.append([name, str(tensor.dtype), list(tensor.shape), hashes.get(offset) if nbytes else ""])
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
 def _prune(state_dir: Path, keep: int) -> None:
@@ -341,6 +362,65 @@ def load_verified(checkpoint_path: str | os.PathLike, manifest_path: str | os.Pa
     return read_checkpoint(path, map_location, WEIGHTS_KEYS if weights_only else REQUIRED_KEYS), manifest
 
 
+def published_manifest(checkpoint_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+    """The manifest (step_N.json) of published checkpoint `step`."""
+    return read_manifest(Path(checkpoint_dir) / f"step_{step}.json")
+
+
+def load_model(checkpoint_dir: str | os.PathLike, step: int | None = None,
+               device: str | torch.device = "cpu") -> tuple[Transformer, int]:
+    """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
+
+    Only the model's tensors are read, one at a time, straight into the parameters, each checked
+    against the manifest before it is used; the optimizer state in the same file is never touched,
+    so the memory needed is the model's. The model is built from the config stored in the file
+    (weights_only parsing), then moved to `device`. A missing step, a checkpoint without a model
+    config, or weights that do not fit that config are errors naming the file.
+    """
+    steps = published_steps(checkpoint_dir)
+    if not steps:
+        raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"{checkpoint_dir}: no published checkpoint of step {step} (published: {steps})")
+    path = Path(checkpoint_dir) / f"step_{step}.pt"
+    manifest_path = path.with_suffix(".json")
+    entry = _file_entry(read_manifest(manifest_path), path.name, manifest_path)
+    with CheckpointReader(path, entry) as reader:
+        saved = reader.structure
+        config = saved.get("model_config") if isinstance(saved, dict) else None
+        expected_keys = set(inspect.signature(Transformer).parameters) - {"device", "dtype"}
+        if not isinstance(config, dict) or set(config) != expected_keys:
+            raise CheckpointError(f"{path}: model_config {config!r} does not hold exactly the keys "
+                                  f"{sorted(expected_keys)}")
+        if not isinstance(saved.get("model"), dict):
+            raise CheckpointError(f"checkpoint {path} lacks the entry 'model'")
+        dtypes = {meta.dtype for meta in saved["model"].values()}
+        try:  # in the dtype the weights were saved in (float32 unless a test trained in float64)
+            model = _uninitialised_model(config, dtypes.pop() if len(dtypes) == 1 else None)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: model_config {config}: {e}") from None
+        _read_model(reader, saved["model"], model, beat=None)
+    return model.to(device), step
+
+
+def _uninitialised_model(config: dict[str, Any], dtype: torch.dtype | None) -> Transformer:
+    """A Transformer on the CPU whose weights are left uninitialised, for a checkpoint to fill.
+
+    Random initialisation would cost time and, through its temporaries, about twice the weights'
+    memory, for values that are overwritten at once. Only the RoPE tables, which are computed and
+    not saved, get their values.
+    """
+    with torch.device("meta"):
+        model = Transformer(**config, dtype=dtype)
+    model.to_empty(device="cpu")
+    tables = RotaryEmbedding(model.rope.theta, model.rope.d_k, model.rope.max_seq_len)
+    model.rope.cos.copy_(tables.cos)
+    model.rope.sin.copy_(tables.sin)
+    return model
+
+
 def restore_step(ctx, state_dir: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """Load the newest committed step into `model` and `optimizer` on every rank; None if there is none.
@@ -362,7 +442,7 @@ def restore_step(ctx, state_dir: str | os.PathLike, model: torch.nn.Module,
         saved = reader.structure
         if not isinstance(saved, dict) or any(key not in saved for key in REQUIRED_KEYS):
             raise CheckpointError(f"checkpoint {path} lacks one of the entries {list(REQUIRED_KEYS)}")
-        _read_model(reader, saved["model"], getattr(model, "_orig_mod", model), heartbeat.beat)
+        _read_model(reader, saved["model"], model, heartbeat.beat)
         _read_optimizer(reader, saved["optimizer"], optimizer, heartbeat.beat)
         rest = map_tensors({key: value for key, value in saved.items() if key not in ("model", "optimizer")},
                            lambda _, meta: reader.read(meta, "cpu", heartbeat.beat))
@@ -375,14 +455,17 @@ def _read_model(reader: CheckpointReader, saved: dict[str, torch.Tensor], model:
     target = model.state_dict()
     if saved.keys() != target.keys():
         missing, unexpected = sorted(target.keys() - saved.keys()), sorted(saved.keys() - target.keys())
-        raise CheckpointError(f"{reader.path}: the model's entries differ (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]})")
+        raise CheckpointError(f"{reader.path}: its weights do not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
     done = set()
     for name, meta in saved.items():
         tensor = target[name]
-        if (tensor.shape, tensor.dtype) != (meta.shape, meta.dtype):
-            raise CheckpointError(f"{reader.path}: model entry {name!r} has shape {tuple(meta.shape)} and dtype "
-                                  f"{meta.dtype}, the model's {tuple(tensor.shape)} and {tensor.dtype}")
+        if tensor.shape != meta.shape:
+            raise CheckpointError(f"{reader.path}: its weights do not fit the model: {name!r} has shape "
+                                  f"{tuple(meta.shape)}, the model's {tuple(tensor.shape)}")
+        if tensor.dtype != meta.dtype:
+            raise CheckpointError(f"{reader.path}: model entry {name!r} has dtype {meta.dtype}, the model's "
+                                  f"{tensor.dtype}")
         if tensor.data_ptr() not in done:  # tied weights are one tensor
             reader.read_into(meta, tensor, beat)
             done.add(tensor.data_ptr())

@@ -403,7 +403,8 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
 def _commit(ctx, model, optimizer, scaler, step: int, tokens_per_step: int, np_rng, model_config, run,
             state_dir, keep: int) -> None:
     """Collective: every rank writes its part of step `step` (see tinylm/state.py); rank 0 commits it."""
-    state_lib.save_step(ctx, state_dir, step, model, optimizer, manifest=run, keep=keep,
+    manifest = {**run, "tokens_seen": step * tokens_per_step, "model_config": model_config}
+    state_lib.save_step(ctx, state_dir, step, model, optimizer, manifest=manifest, keep=keep,
                         entries={"tokens_seen": step * tokens_per_step, "model_config": model_config,
                                  "grad_scaler": scaler.state_dict()},
                         per_rank={"rng": _rng_state(np_rng, ctx.device)})
