@@ -249,6 +249,33 @@ def test_lock_stops_a_second_trainer(tmp_path):
         pass
 
 
+def test_a_filesystem_without_flock_locks_with_an_exclusive_file(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with StateLock(tmp_path):
+        assert "no flock (ENOSYS)" in capsys.readouterr().err
+        assert (tmp_path / "lock.pid").read_text().strip().endswith(f":{os.getpid()}")
+        with pytest.raises(CheckpointError, match=r"another trainer \(.*:\d+\) is using this state folder"):
+            with StateLock(tmp_path):
+                pass
+    assert not (tmp_path / "lock.pid").exists()  # released on exit
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    (tmp_path / "lock.pid").write_text(f"{socket.gethostname()}:{dead.stdout.strip()}\n")
+    with StateLock(tmp_path):  # left by a process that no longer runs: taken over
+        pass
+    (tmp_path / "lock.pid").write_text("another-host:1\n")
+    with pytest.raises(CheckpointError, match="delete .*lock.pid if no trainer runs"):
+        with StateLock(tmp_path):
+            pass
+
+
 def test_every_torch_load_in_the_package_passes_weights_only_true():
     calls = 0
     for path in (ROOT / "tinylm").rglob("*.py"):

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.throughput import GPU_PEAK_FLOPS, flops_per_token, mfu, peak_flops
+from tinylm.throughput import GPU_PEAK_FLOPS, flops_per_token, gpu_entry, mfu, peak_flops
 
 
 @pytest.mark.parametrize("shape", [dict(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4,
@@ -42,9 +42,24 @@ def test_peak_flops_by_device_name_and_dtype(monkeypatch):
     assert peak_flops(cuda, torch.bfloat16, tf32=False, override=5e14) == 5e14
     assert peak_flops(torch.device("cpu"), torch.float32, tf32=False) is None
     assert peak_flops(torch.device("cpu"), torch.float32, tf32=False, override=1e11) == 1e11
-    # More specific names come first, so that "H100 PCIe" is not read as an SXM H100.
-    names = [name for name, _ in GPU_PEAK_FLOPS]
-    assert names.index("H100 PCIe") < names.index("H100")
+
+
+
+@pytest.mark.parametrize("device_name, entry", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"),
+    ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"), ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA B200", "B200"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+])
+def test_each_gpu_name_finds_its_own_row(device_name, entry):
+    assert gpu_entry(device_name)[0] == entry
+    # Every row is reached by some name (none is shadowed by an earlier, shorter pattern).
+    assert {name for name, _, _ in GPU_PEAK_FLOPS} <= {gpu_entry(n)[0] for n in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL",
+        "NVIDIA L4", "NVIDIA L40", "NVIDIA L40S", "NVIDIA A10", "NVIDIA A10G", "NVIDIA A100-SXM4-80GB",
+        "Tesla V100-SXM2-16GB", "NVIDIA B200", "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 3090")}
+    assert gpu_entry("Some Future GPU") is None
 
 
 def test_mfu_is_achieved_over_peak_of_all_devices():

@@ -18,27 +18,43 @@ a GPU not in the table, MFU is reported only when `train.peak_flops` gives the p
 
 from __future__ import annotations
 
+import re
 import resource
 
 import torch
 
-# name fragment (matched in torch.cuda.get_device_name, first match wins) -> peak FLOP/s of one
-# device, dense, from the vendors' data sheets, per matmul kind. None: the device has no such unit.
-GPU_PEAK_FLOPS: list[tuple[str, dict[str, float | None]]] = [
-    (name, dict(bfloat16=half, float16=half, tf32=tf32, float32=fp32))
-    for name, half, tf32, fp32 in [
-        ("B200", 2250e12, 1100e12, 80e12),
-        ("H200", 989e12, 494e12, 67e12),
-        ("H100 PCIe", 756e12, 378e12, 51e12),
-        ("H100", 989e12, 494e12, 67e12),
-        ("A100", 312e12, 156e12, 19.5e12),
-        ("L40S", 362e12, 183e12, 91.6e12),
-        ("L4", 121e12, 60e12, 30.3e12),
-        ("A10", 125e12, 62.5e12, 31.2e12),
-        ("RTX 4090", 165e12, 82.6e12, 82.6e12),
-        ("RTX 3090", 71e12, 35.6e12, 35.6e12),
+# (entry name, pattern matched against torch.cuda.get_device_name as whole words) -> peak FLOP/s of one
+# device, dense (no sparsity), from the vendors' data sheets, per matmul kind; None: no such unit.
+# Variants of one chip differ in clocks and power, so each has its own row (H100 SXM / PCIe / NVL,
+# H200 / H200 NVL, L4 / L40 / L40S, A10 / A10G); the first matching row wins.
+GPU_PEAK_FLOPS: list[tuple[str, str, dict[str, float | None]]] = [
+    (name, pattern, dict(bfloat16=half, float16=half, tf32=tf32, float32=fp32))
+    for name, pattern, half, tf32, fp32 in [
+        ("B200", r"B200", 2250e12, 1100e12, 80e12),
+        ("H200 NVL", r"H200 NVL", 835e12, 418e12, 60e12),
+        ("H200 SXM", r"H200", 989e12, 494e12, 67e12),
+        ("H100 NVL", r"H100 NVL", 835e12, 418e12, 60e12),
+        ("H100 PCIe", r"H100 PCIe", 756e12, 378e12, 51e12),
+        ("H100 SXM", r"H100", 989e12, 494e12, 67e12),
+        ("A100", r"A100", 312e12, 156e12, 19.5e12),
+        ("L40S", r"L40S", 362e12, 183e12, 91.6e12),
+        ("L40", r"L40", 181e12, 90.5e12, 90.5e12),
+        ("L4", r"L4", 121e12, 60e12, 30.3e12),
+        ("A10G", r"A10G", 70e12, 35e12, 31.2e12),
+        ("A10", r"A10", 125e12, 62.5e12, 31.2e12),
+        ("RTX 4090", r"RTX 4090", 165e12, 82.6e12, 82.6e12),
+        ("RTX 3090", r"RTX 3090", 71e12, 35.6e12, 35.6e12),
     ]
-] + [("V100", dict(bfloat16=None, float16=125e12, tf32=None, float32=15.7e12))]
+] + [("V100", r"V100", dict(bfloat16=None, float16=125e12, tf32=None, float32=15.7e12))]
+
+
+def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None]] | None:
+    """(entry name, peaks) of the first GPU_PEAK_FLOPS row whose pattern is in `device_name` as whole
+    words ("NVIDIA L4" is an L4, not an L40; "A10G" is not an A10), or None."""
+    for name, pattern, peaks in GPU_PEAK_FLOPS:
+        if re.search(rf"(?<![A-Za-z0-9]){pattern}(?![A-Za-z0-9])", device_name):
+            return name, peaks
+    return None
 
 
 def flops_per_token(model_config: dict) -> float:
@@ -59,12 +75,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool, override: f
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    entry = gpu_entry(torch.cuda.get_device_name(device))
+    if entry is None:
+        return None
+    peaks = entry[1]
     kind = "tf32" if dtype == torch.float32 and tf32 else str(dtype).removeprefix("torch.")
-    for fragment, peaks in GPU_PEAK_FLOPS:
-        if fragment in name:
-            return peaks.get(kind) or (peaks["float32"] if dtype == torch.float32 else None)
-    return None
+    return peaks.get(kind) or (peaks["float32"] if dtype == torch.float32 else None)
 
 
 def mfu(tokens_per_s: float, model_flops_per_token: float, peak_per_device: float | None,

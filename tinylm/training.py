@@ -86,8 +86,11 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
     tokenizer = Tokenizer.load(tokenizer_path)
     vocab_size = len(tokenizer.vocab)
     context_length = cfg.model.context_length
+    # Under torchrun every process runs this function; only global rank 0 scans the token files for
+    # their largest id (one pass over each file), locks and publishes.
+    is_rank0 = int(os.environ.get("RANK", "0")) == 0
     for path in (train_tokens, valid_tokens):  # dtype, shape and largest id, then the length
-        num_tokens = len(load_tokens(path, vocab_size))
+        num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
         if num_tokens < context_length + 1:
             raise ValueError(f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
                              f"(model.context_length + 1)")
@@ -104,8 +107,6 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
     }
     t = cfg.train
     backend = resolve_backend(t.backend, t.world_size)
-    # Under torchrun every process runs this function; only global rank 0 locks and publishes.
-    is_rank0 = int(os.environ.get("RANK", "0")) == 0
     with state_lib.StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         steps = state_lib.committed_steps(state_dir)
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
