@@ -1,8 +1,11 @@
 """GPU training-step speed: tinylm beside the torch-native baseline at GPT-2-small shape, bf16.
 
 One training step is the tinylm loop's step on one device: forward under bf16 autocast, loss in
-float32, backward, gradient clip, AdamW (ours: multi-tensor, two param groups; the baseline's:
-torch.optim.AdamW with its default foreach path), with and without torch.compile. Each variant runs in
+float32, backward, gradient clip, AdamW (ours: multi-tensor, two param groups), with and without
+torch.compile (both sides compile each Transformer block, as the trainer does). The baseline is
+written as a PyTorch user would write it for speed: fused q/k/v projection,
+F.scaled_dot_product_attention, nn.RMSNorm, F.cross_entropy, torch.optim.AdamW(fused=True) and
+clip_grad_norm_(foreach=True). Each variant runs in
 its own subprocess so that its peak memory (torch.cuda.max_memory_allocated) is its own. Reports
 tokens/s, MFU (tinylm/throughput.py: 6 x matmul weights + attention, over the table's bf16 peak)
 and peak memory, with ratios to the baseline of the same compile setting.
@@ -11,8 +14,8 @@ and peak memory, with ratios to the baseline of the same compile setting.
     python bench/gpu.py --out results.json  # also the raw figures
     python bench/gpu.py --smoke             # a tiny shape for a few steps (runs on the CPU too)
 
-The baseline model is bench/train_step.py's NativeTransformer (nn.Embedding, nn.Linear, nn.RMSNorm,
-F.scaled_dot_product_attention, F.silu, F.cross_entropy): same architecture, PyTorch's own parts.
+The baseline model (`FusedNativeTransformer` below) has tinylm's architecture (RoPE, RMSNorm,
+SwiGLU, no biases, untied head) built from PyTorch's own parts.
 """
 
 from __future__ import annotations
@@ -52,14 +55,54 @@ def build(impl: str, shape: dict, device: torch.device):
 
         model = Transformer(**shape, device=device)
         return model, AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95)), cross_entropy
-    from train_step import NativeTransformer
-
-    model = NativeTransformer(**shape).to(device)
+    model = FusedNativeTransformer(**shape).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95))
+                                  lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     return model, optimizer, lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+class FusedNativeBlock(torch.nn.Module):
+    """A pre-norm block with one q/k/v projection, SDPA, and a SwiGLU feed-forward, in PyTorch's parts."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, rope):
+        super().__init__()
+        self.num_heads, self.rope = num_heads, rope
+        self.ln1 = torch.nn.RMSNorm(d_model, eps=1e-5)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = torch.nn.Linear(d_model, d_model, bias=False)
+        self.ln2 = torch.nn.RMSNorm(d_model, eps=1e-5)
+        self.w1 = torch.nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = torch.nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = torch.nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
+        h = self.ln2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class FusedNativeTransformer(torch.nn.Module):
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0):
+        super().__init__()
+        from train_step import NativeRoPE
+
+        self.embed = torch.nn.Embedding(vocab_size, d_model)
+        rope = NativeRoPE(rope_theta, d_model // num_heads, context_length)
+        self.layers = torch.nn.ModuleList(FusedNativeBlock(d_model, num_heads, d_ff, rope)
+                                          for _ in range(num_layers))
+        self.ln_final = torch.nn.RMSNorm(d_model, eps=1e-5)
+        self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_final(x))
 
 
 def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> dict:
@@ -74,18 +117,23 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> 
     dtype = torch.bfloat16
     torch.manual_seed(0)
     model, optimizer, loss_fn = build(impl, shape, device)
-    forward = torch.compile(model) if compiled else model
+    if compiled:  # block by block on both sides, as the trainer compiles
+        for block in model.layers:
+            block.compile()
     generator = torch.Generator().manual_seed(1)
     V, T = shape["vocab_size"], shape["context_length"]
 
     def step() -> None:
         ids = torch.randint(0, V, (batch_size, T + 1), generator=generator).to(device, non_blocking=True)
         with autocast(device, dtype):
-            logits = forward(ids[:, :-1])
+            logits = model(ids[:, :-1])
         loss = loss_fn(logits, ids[:, 1:])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        gradient_clip(model.parameters(), 1.0)
+        if impl == "tinylm":
+            gradient_clip(model.parameters(), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
 
     def sync() -> None:

@@ -115,3 +115,45 @@ def test_nccl_ddp_and_sharded_optimizer_match_one_gpu(tiny_data, tmp_path):
                               if "/12 loss" in line]
     assert len(losses[1]) == 12
     assert all(abs(float(a) - float(b)) < 1e-4 for a, b in zip(losses[1], losses[2], strict=True))
+
+
+def test_compiled_blocks_run_their_matmuls_in_bf16_on_the_gpu():
+    """Each Transformer block compiled as the trainer does it, under bf16 autocast: its output (and
+    the logits) are bf16, the parameters and their gradients stay float32, and the compiled model
+    matches the eager one within bf16 rounding."""
+    from tinylm.model import Transformer
+    from tinylm.nn_utils import cross_entropy
+    from tinylm.precision import autocast
+
+    torch.manual_seed(0)
+    eager = Transformer(vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256,
+                        device="cuda")
+    compiled = Transformer(vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256,
+                           device="cuda")
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers:
+        block.compile()
+    outputs = []
+    compiled.layers[0].register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+    ids = torch.randint(0, 512, (4, 65), device="cuda")
+    losses = []
+    for model in (eager, compiled):
+        with autocast(torch.device("cuda"), torch.bfloat16):
+            logits = model(ids[:, :-1])
+        assert logits.dtype == torch.bfloat16
+        loss = cross_entropy(logits, ids[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert outputs == [torch.bfloat16]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in compiled.parameters())
+    assert abs(losses[0] - losses[1]) < 2e-2
+
+
+def test_float16_overflow_is_skipped_and_lowers_the_scale_on_the_gpu(tiny_data, tmp_path):
+    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1, "dtype": "float16",
+                                                           "deterministic": False})
+    proc = pretrain(tiny_data, config, tmp_path / "state", fault="rank=0,step=5,action=overflow")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in proc.stderr
+    payload = final(tmp_path / "state")
+    assert payload["grad_scaler"]["scale"] == 32768.0
