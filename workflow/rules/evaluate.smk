@@ -11,6 +11,8 @@ rule evaluate:
                      subcategory="{run_dir}"),
         plot=report("results/{run_dir}eval.png", caption="../report/plot.rst", category="Evaluation",
                     subcategory="{run_dir}"),
+        notes=report("results/{run_dir}eval_columns.md", caption="../report/eval.rst", category="Evaluation",
+                     subcategory="{run_dir}"),
     params:
         cfg=run_json("evaluate"),
     conda:
@@ -25,4 +27,4 @@ rule evaluate:
     shell:
         "python -m tinylm evaluate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --checkpoint-dir {input.checkpoints} --valid-tokens {input.valid}"
-        " --output {output.table} --plot {output.plot} --cache-dir results/eval_cache 2> {log}"
+        " --output {output.table} --plot {output.plot} --notes {output.notes} --cache-dir results/eval_cache 2> {log}"
