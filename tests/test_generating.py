@@ -237,7 +237,8 @@ def test_sample_cli_prints_the_completion(tiny_lm):
 
 @pytest.mark.parametrize(("option", "message"), [(["--top-p", "0"], "--top-p: 0.0 is out of range"),
                                                  (["--seed", "-1"], "--seed: -1 is out of range"),
-                                                 (["--step", "7"], "no published checkpoint of step 7")])
+                                                 (["--step", "7"], "no published checkpoint of step 7"),
+                                                 (["--prompt", ""], "--prompt: the prompt is empty")])
 def test_sample_cli_refuses_bad_options(tiny_lm, capsys, option, message):
     argv = ["sample", "--prompt", "x", *option, "--tokenizer", str(tiny_lm["tokenizer"]),
             "--checkpoint-dir", str(tiny_lm["checkpoints"])]
@@ -252,3 +253,12 @@ def tinylm(*args) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
     # Decoded by hand: text=True would turn a generated "\r\n" into "\n".
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def test_an_empty_configured_prompt_is_named(tiny_lm, tmp_path):
+    from tinylm.generating import write_samples
+
+    gen = GenerateConfig(prompts=["the king", ""], max_new_tokens=3, threads=1)
+    with pytest.raises(ValueError, match=r"generate.prompts\[1\]: the prompt is empty"):
+        write_samples(gen, tiny_lm["checkpoints"], tiny_lm["tokenizer"], tmp_path / "samples.txt")
+    assert not (tmp_path / "samples.txt").exists()

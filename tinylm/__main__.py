@@ -20,13 +20,43 @@ R = "results"
 
 
 def _config(args: argparse.Namespace) -> Config:
+    """The config of --config-json or --config; sets args.config_name and args.weight_sections (the
+    sections of the trained weights, model and train, that were given: a config file gives all)."""
     if args.config_json is not None:
         try:
             raw = json.loads(args.config_json)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config-json: not valid JSON: {e}") from None
+        args.config_name = "the config given with --config-json"
+        args.weight_sections = tuple(s for s in ("model", "train") if isinstance(raw, dict) and s in raw)
         return from_dict(raw)
+    args.config_name = args.config
+    args.weight_sections = ("model", "train")
     return load_config(args.config)
+
+
+def _checkpoints(cfg: Config, a: argparse.Namespace, step: int | None = None) -> tuple[str, int | None]:
+    """(checkpoint folder, the step to read: `step` or the newest) for evaluate, generate, sample and export.
+
+    --checkpoint-dir given: that folder. Not given: results/checkpoints, or the state folder of the
+    run the config describes when it holds newer committed steps (a run that trains or was
+    stopped; see tinylm/locate.py). Says which when it is not results/checkpoints, and, when the
+    checkpoint was trained with other model or train keys than the config's, which keys differ.
+    """
+    from tinylm.config import run_hash
+    from tinylm.locate import find_checkpoints, warn_if_other_config
+    from tinylm.state import published_steps
+
+    state_dir = None if a.checkpoint_dir is not None else (a.state_dir or os.path.join(R, "state", run_hash(cfg)))
+    folder, note = find_checkpoints(a.checkpoint_dir or f"{R}/checkpoints", state_dir, step)
+    if note:
+        print(f"[{a.stage}] {note}", file=sys.stderr, flush=True)
+    steps = published_steps(folder)
+    if step is None and steps:
+        step = steps[-1]
+    if step in steps:
+        warn_if_other_config(a.stage, folder, step, cfg, a.weight_sections, a.config_name)
+    return str(folder), step
 
 
 def cmd_corpus(cfg: Config, a: argparse.Namespace) -> None:
@@ -102,7 +132,8 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
     e = cfg.evaluate
     torch.set_num_threads(e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    table = evaluate_checkpoints(a.checkpoint_dir, a.valid_tokens, Tokenizer.load(a.tokenizer), e.batch_size, device,
+    checkpoint_dir, _ = _checkpoints(cfg, a)
+    table = evaluate_checkpoints(checkpoint_dir, a.valid_tokens, Tokenizer.load(a.tokenizer), e.batch_size, device,
                                  e.max_tokens, a.cache_dir, progress=sys.stderr.isatty())
     write_eval(table, a.output, a.plot, a.notes or notes_path_for(a.output))
 
@@ -110,7 +141,10 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
 def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.generating import write_samples
 
-    write_samples(cfg.generate, a.checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
+    checkpoint_dir, step = _checkpoints(cfg, a)
+    write_samples(cfg.generate, checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
+    print(f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} written to {a.output}",
+          file=sys.stderr)
 
 
 # `sample`'s options and the generate keys they override.
@@ -131,7 +165,12 @@ def cmd_sample(cfg: Config, a: argparse.Namespace) -> None:
     except ConfigError as e:  # name the option, not the config key it overrides
         key = str(e).split(":", 1)[0].removeprefix("generate.")
         raise ConfigError(f"{SAMPLE_OPTIONS.get(key, key)}: {str(e).split(': ', 1)[1]}") from None
-    sample(gen, a.checkpoint_dir, a.tokenizer, a.prompt, sys.stdout, a.step)
+    if not a.prompt:
+        raise ValueError("--prompt: the prompt is empty; give the text to continue")
+    checkpoint_dir, step = _checkpoints(cfg, a, a.step)
+    if step is not None:
+        print(f"[sample] step {step} of {checkpoint_dir}", file=sys.stderr, flush=True)
+    sample(gen, checkpoint_dir, a.tokenizer, a.prompt, sys.stdout, step)
     sys.stdout.write("\n")
 
 
@@ -141,7 +180,9 @@ def cmd_export(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.export import export_hf
 
     torch.set_num_threads(cfg.export.threads)
-    export_hf(a.checkpoint_dir, a.tokenizer, a.output, cfg.export.step, cfg.export.dtype)
+    checkpoint_dir, step = _checkpoints(cfg, a, cfg.export.step)
+    export_hf(checkpoint_dir, a.tokenizer, a.output, step, cfg.export.dtype)
+    print(f"[export] step {step} of {checkpoint_dir} exported to {a.output}", file=sys.stderr)
 
 
 def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
@@ -198,7 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+                        "config describes has newer committed steps there: it trains or was stopped)")
+    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
     p.add_argument("--output", default=f"{R}/eval.csv")
     p.add_argument("--plot", default=f"{R}/eval.png")
@@ -209,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+                        "config describes has newer committed steps there: it trains or was stopped)")
+    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
 
@@ -221,11 +268,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+                        "config describes has newer committed steps there: it trains or was stopped)")
+    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
 
     p = stage("export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+                        "config describes has newer committed steps there: it trains or was stopped)")
+    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
     p.add_argument("--output", default=f"{R}/hf")
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")

@@ -165,8 +165,12 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     """Sample a completion for every configured prompt from the newest checkpoint; write them all.
 
     One generator seeded with `gen_cfg.seed` draws every sample, so the file is reproducible. With
-    `eval_path` (eval.csv) the header quotes the checkpoint's exact validation loss.
+    `eval_path` (eval.csv) the header quotes the checkpoint's exact validation loss. An empty prompt
+    is an error naming it (`generate.prompts[i]`), raised before the model is read.
     """
+    for i, prompt in enumerate(gen_cfg.prompts):
+        if not prompt:
+            raise ValueError(f"generate.prompts[{i}]: the prompt is empty; give the text to continue")
     torch.set_num_threads(gen_cfg.threads)
     model, tokenizer, step, eos_id = load_for_sampling(checkpoint_dir, tokenizer_path)
     generator = torch.Generator().manual_seed(gen_cfg.seed)

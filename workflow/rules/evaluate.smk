@@ -14,7 +14,7 @@ rule evaluate:
         notes=report("results/{run_dir}eval_columns.md", caption="../report/eval.rst", category="Evaluation",
                      subcategory="{run_dir}"),
     params:
-        cfg=run_json("evaluate"),
+        cfg=run_json("model", "train", "evaluate"),
     conda:
         "../envs/tinylm.yaml"
     log:

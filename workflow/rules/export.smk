@@ -7,7 +7,7 @@ rule export:
     output:
         directory("results/{run_dir}hf"),
     params:
-        cfg=run_json("export"),
+        cfg=run_json("model", "train", "export"),
     conda:
         "../envs/tinylm.yaml"
     log:

@@ -9,7 +9,7 @@ rule generate:
         report("results/{run_dir}samples.txt", caption="../report/samples.rst", category="Samples",
                subcategory="{run_dir}"),
     params:
-        cfg=run_json("generate"),
+        cfg=run_json("model", "train", "generate"),
     conda:
         "../envs/tinylm.yaml"
     log:

@@ -1,0 +1,157 @@
+"""Stages run by hand find a running or stopped run's newest committed step without its hash, and say
+when the checkpoints were trained with another config than theirs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from _tiny_lm import MODEL
+
+from tinylm import state as state_lib
+from tinylm.__main__ import main
+from tinylm.config import load_config, run_hash, weight_config
+from tinylm.locate import config_differences, find_checkpoints
+from tinylm.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(path: Path, **train) -> Path:
+    """The shipped config with the tiny_lm model's shape, short samples and one thread."""
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["tokenizer"]["vocab_size"] = MODEL["vocab_size"]
+    cfg["model"].update({k: v for k, v in MODEL.items() if k != "vocab_size"})
+    cfg["train"].update(train)
+    cfg["evaluate"].update(threads=1, batch_size=64)
+    cfg["generate"].update(max_new_tokens=5, threads=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> None:
+    """Commit tiny_lm's weights as `steps`, recording the config at `config_path` as training does."""
+    payload, _ = state_lib.load_verified(Path(tiny_lm["checkpoints"]) / f"step_{tiny_lm['step']}.pt")
+    recorded = weight_config(load_config(config_path))
+    for step in steps:
+        state_lib.commit(state_dir, step, {**payload, "iteration": step, "tokens_seen": step * 64},
+                         {"world_size": 1, "tokens_seen": step * 64, "config": recorded}, keep=10)
+
+
+@pytest.fixture
+def workdir(tmp_path, tiny_lm, monkeypatch):
+    """A workflow folder with config/config.yaml, the tokenizer and validation tokens; no checkpoints yet."""
+    write_config(tmp_path / "config" / "config.yaml")
+    (tmp_path / "results" / "tokenizer").mkdir(parents=True)
+    shutil.copy(tiny_lm["tokenizer"], tmp_path / "results" / "tokenizer" / "tokenizer.json")
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    (tmp_path / "results" / "tokens").mkdir()
+    np.save(tmp_path / "results" / "tokens" / "valid.npy", np.array(tokenizer.encode(tiny_lm["text"][:3000]), dtype=np.uint16))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_running_run_is_sampled_and_evaluated_from_its_state_folder(workdir, tiny_lm, capsys):
+    state_dir = Path("results/state") / run_hash(load_config("config/config.yaml"))
+    commit_steps(state_dir, [50, 100], Path("config/config.yaml"), tiny_lm)
+    published = state_dir / "published"
+
+    code, out, err = run_cli(capsys, "sample", "--prompt", "the king")
+    assert code == 0, err
+    assert (f"[sample] using step 100 from {published}: results/checkpoints is published when the run finishes "
+            "and it has none yet (the run is training or was stopped)") in err
+    assert f"[sample] step 100 of {published}" in err and out.strip()
+    assert "trained with another config" not in err
+
+    code, _, err = run_cli(capsys, "evaluate")
+    assert code == 0, err
+    assert list(np.genfromtxt("results/eval.csv", delimiter=",", names=True)["step"]) == [50, 100]
+    assert f"[evaluate] using step 100 from {published}" in err
+
+    # The run finished up to 100 and was published; a resumed run has committed 150 since.
+    state_lib.publish(state_dir, "results/checkpoints")
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
+    assert code == 0 and "[sample] step 100 of results/checkpoints" in err and "using step" not in err
+    commit_steps(state_dir, [150], Path("config/config.yaml"), tiny_lm)
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
+    assert code == 0 and f"using step 150 from {published}" in err and "its newest is step 100" in err
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king", "--step", 50)
+    assert code == 0 and "[sample] step 50 of results/checkpoints" in err
+
+    # A folder named explicitly is read as it is.
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king", "--checkpoint-dir", "results/checkpoints")
+    assert code == 0 and "[sample] step 100 of results/checkpoints" in err and "using step" not in err
+
+    code, _, err = run_cli(capsys, "generate", "--output", "results/my_samples.txt")
+    assert code == 0, err
+    assert f"[generate] 3 samples from step 150 of {published} written to results/my_samples.txt" in err
+    assert Path("results/my_samples.txt").read_text().startswith("# tinylm samples: checkpoint step 150")
+
+
+def test_no_checkpoint_anywhere_names_both_folders(workdir, capsys):
+    state_dir = Path("results/state") / run_hash(load_config("config/config.yaml"))
+    code, _, err = run_cli(capsys, "sample", "--prompt", "x")
+    assert code == 1
+    assert f"no committed checkpoints in results/checkpoints nor in the state folder of the run this config " \
+           f"describes, {state_dir}" in err
+    assert "tinylm sample: error: results/checkpoints: no committed checkpoints" in err
+
+
+def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, capsys, tmp_path_factory):
+    trained_with = write_config(tmp_path_factory.mktemp("other") / "config.yaml")  # seed 0, lr 6e-3
+    commit_steps(Path("elsewhere"), [100], trained_with, tiny_lm)
+    state_lib.publish("elsewhere", "results/checkpoints")
+    write_config(Path("config/config.yaml"), seed=1, lr_max=0.003)  # then the config was edited
+    expected = ("was trained with another config than config/config.yaml: train.lr_max: 0.006 in the checkpoint, "
+                "0.003 in the config; train.seed: 0 in the checkpoint, 1 in the config")
+    for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        lines = [line for line in err.splitlines() if "another config" in line]
+        assert lines == [f"[{argv[0]}] results/checkpoints/step_100.pt {expected}"], err
+
+    write_config(Path("config/config.yaml"))  # the config it was trained with: nothing to say
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
+    assert code == 0 and "another config" not in err
+    # Under Snakemake a stage is given only the sections it depends on (and model and train for this check).
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king", "--config-json", '{"generate": {"threads": 1}}')
+    assert code == 0 and "another config" not in err
+
+
+def test_find_checkpoints_prefers_the_published_folder_unless_the_state_is_newer(tmp_path, tiny_lm):
+    config = write_config(tmp_path / "config.yaml")
+    state, published = tmp_path / "state", tmp_path / "ckpt"
+    assert find_checkpoints(published, None) == (published, None)
+    commit_steps(state, [1, 2], config, tiny_lm)
+    state_lib.publish(state, published)
+    assert find_checkpoints(published, state) == (published, None)
+    commit_steps(state, [3], config, tiny_lm)
+    folder, note = find_checkpoints(published, state)
+    assert folder == state / "published" and "using step 3" in note and "its newest is step 2" in note
+    assert find_checkpoints(published, state, step=2) == (published, None)
+    folder, note = find_checkpoints(published, state, step=3)
+    assert folder == state / "published" and note.startswith(f"step 3 is not in {published}")
+    assert find_checkpoints(published, state, step=9) == (published, None)  # the loader names what is missing
+
+
+def test_config_differences_name_each_key():
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    recorded = weight_config(cfg)
+    assert config_differences({"config": recorded}, cfg) == []
+    assert config_differences({}, cfg) == []  # an older manifest records no config
+    recorded["model"]["d_ff"] = 96
+    recorded["train"]["seed"] = 3
+    assert config_differences({"config": recorded}, cfg) == [
+        "model.d_ff: 96 in the checkpoint, 344 in the config", "train.seed: 3 in the checkpoint, 0 in the config"]
+    assert config_differences({"config": recorded}, cfg, ("train",)) == [
+        "train.seed: 3 in the checkpoint, 0 in the config"]

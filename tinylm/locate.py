@@ -1,0 +1,92 @@
+"""Which checkpoints a stage run by hand reads, and whether they were trained with the config it was given.
+
+A run publishes its checkpoints into its checkpoint folder (results/checkpoints) only when it
+finishes, because that folder is a declared Snakemake output (Snakemake deletes the outputs of a
+failed job). Every committed step is also published, at once, inside the run's state folder
+(`<state dir>/published`, see tinylm/state.py), which is outside Snakemake's outputs. So while a
+run trains, or after it was stopped, `sample`, `evaluate` and `export` find its newest committed
+step there: `find_checkpoints` picks, of the two folders, the one whose newest step is newer, and
+says so. The state folder is the one the config describes (results/state/<run hash>), so the user
+needs no hash. A folder named explicitly (--checkpoint-dir) is read as it is.
+
+`config_differences` compares the config recorded in a checkpoint's manifest (the model and train
+keys that decide the weights, see `config.weight_config`) with the current one, so a stage given
+checkpoints trained from another config can say which keys differ.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tinylm.config import Config, weight_config
+from tinylm.state import published_manifest, published_steps
+
+
+def find_checkpoints(checkpoint_dir: str | os.PathLike, state_dir: str | os.PathLike | None,
+                     step: int | None = None) -> tuple[Path, str | None]:
+    """(the folder of published checkpoints to read, a line saying why it is not `checkpoint_dir`, or None).
+
+    With `state_dir` None, `checkpoint_dir` as it is. Otherwise the newest committed step (or, with
+    `step`, the folder that holds that step) of `checkpoint_dir` and `state_dir/published`,
+    `checkpoint_dir` when both have it. When neither has any, `checkpoint_dir` (the loader then
+    names it in its error) and a line naming the state folder that was searched too.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if state_dir is None:
+        return checkpoint_dir, None
+    state_published = Path(state_dir) / "published"
+    published, committed = published_steps(checkpoint_dir), published_steps(state_published)
+    if not published and not committed:
+        return checkpoint_dir, (f"no committed checkpoints in {checkpoint_dir} nor in the state folder of the run "
+                                f"this config describes, {state_dir}")
+    if step is not None:
+        if step in published or step not in committed:
+            return checkpoint_dir, None
+        return state_published, (f"step {step} is not in {checkpoint_dir}; using it from {state_published} "
+                                 "(committed, not yet published: the run is training or was stopped)")
+    if committed and (not published or committed[-1] > published[-1]):
+        has = f"its newest is step {published[-1]}" if published else "it has none yet"
+        return state_published, (f"using step {committed[-1]} from {state_published}: {checkpoint_dir} is published "
+                                 f"when the run finishes and {has} (the run is training or was stopped)")
+    return checkpoint_dir, None
+
+
+def config_differences(manifest: dict[str, Any], cfg: Config, sections: tuple[str, ...] = ("model", "train")) -> list[
+        str]:
+    """'section.key: V in the checkpoint, W in the config' for every key of `sections` that differs.
+
+    Compared: the keys that decide the trained weights, as the manifest's "config" records them
+    (`weight_config` at training time); a manifest without one gives no differences.
+    """
+    saved = manifest.get("config")
+    if not isinstance(saved, dict):
+        return []
+    current = weight_config(cfg)
+    out = []
+    for section in sections:
+        ours, theirs = current.get(section, {}), saved.get(section)
+        if not isinstance(theirs, dict):
+            continue
+        for key in sorted(ours.keys() | theirs.keys()):
+            if ours.get(key) != theirs.get(key):
+                out.append(f"{section}.{key}: {theirs.get(key, 'absent')!r} in the checkpoint, "
+                           f"{ours.get(key, 'absent')!r} in the config")
+    return out
+
+
+def warn_if_other_config(stage: str, checkpoint_dir: str | os.PathLike, step: int, cfg: Config,
+                         sections: tuple[str, ...], config_name: str) -> list[str]:
+    """Print one line `[stage] <step_N.pt> was trained with another config than <config_name>: ...` when
+    the recorded config of published checkpoint `step` differs from `cfg` in `sections`; returns the
+    differences. Nothing is compared when `sections` is empty (the stage was given no model or train
+    section, as under Snakemake before this check existed)."""
+    if not sections:
+        return []
+    differences = config_differences(published_manifest(checkpoint_dir, step), cfg, sections)
+    if differences:
+        print(f"[{stage}] {Path(checkpoint_dir) / f'step_{step}.pt'} was trained with another config than "
+              f"{config_name}: {'; '.join(differences)}", file=sys.stderr, flush=True)
+    return differences
