@@ -176,3 +176,15 @@ def test_a_duplicate_key_in_a_config_file_is_refused(tmp_path):
     path.write_text("train:\n  lr_max: 0.1\n  batch_size: 8\n  lr_max: 0.2\n")
     with pytest.raises(ConfigError, match=r"dup.yaml: line 4: 'lr_max' is given twice"):
         load_config(path)
+
+
+@pytest.mark.parametrize(("section", "key", "value", "message"), [
+    ("train", "batch_size", "16", "train.batch_size: expected an integer, got '16' (str)"),
+    ("train", "lr_max", "fast", "train.lr_max: expected a number, got 'fast' (str)"),
+    ("train", "compile", 1, "train.compile: expected a boolean, got 1 (int)"),
+    ("generate", "prompts", "x", "generate.prompts: expected a list of string, got 'x'"),
+])
+def test_a_wrong_type_is_named_with_its_article(section, key, value, message):
+    with pytest.raises(ConfigError) as error:
+        from_dict({section: {key: value}})
+    assert str(error.value) == message

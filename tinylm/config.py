@@ -180,6 +180,11 @@ def _type_name(tp) -> str:
     return {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}[tp]
 
 
+def _a(noun: str) -> str:
+    """'an integer', 'a number': the noun with its indefinite article."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def _coerce(value: Any, tp, key: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
@@ -190,7 +195,7 @@ def _coerce(value: Any, tp, key: str) -> Any:
         return _coerce(value, inner, key)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r}")
         (inner,) = typing.get_args(tp)
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     # bool is a subclass of int: `true` is never accepted as a number, nor 1 as a boolean.
@@ -210,7 +215,7 @@ def _coerce(value: Any, tp, key: str) -> Any:
         hint = ""
         if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
             hint = f"; YAML reads {value} as text, write {value.strip().replace('e', '.0e').replace('E', '.0E')}"
-        raise ConfigError(f"{key}: expected a {_type_name(tp)}, got {value!r} ({type(value).__name__}){hint}")
+        raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r} ({type(value).__name__}){hint}")
     return value
 
 
