@@ -38,8 +38,13 @@ def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> No
     payload, _ = state_lib.load_verified(Path(tiny_lm["checkpoints"]) / f"step_{tiny_lm['step']}.pt")
     recorded = weight_config(load_config(config_path))
     for step in steps:
-        state_lib.commit(state_dir, step, {**payload, "iteration": step, "tokens_seen": step * 64},
-                         {"world_size": 1, "tokens_seen": step * 64, "config": recorded}, keep=10)
+        state_lib.commit(
+            state_dir,
+            step,
+            {**payload, "iteration": step, "tokens_seen": step * 64},
+            {"world_size": 1, "tokens_seen": step * 64, "config": recorded},
+            keep=10,
+        )
 
 
 @pytest.fixture
@@ -50,7 +55,10 @@ def workdir(tmp_path, tiny_lm, monkeypatch):
     shutil.copy(tiny_lm["tokenizer"], tmp_path / "results" / "tokenizer" / "tokenizer.json")
     tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
     (tmp_path / "results" / "tokens").mkdir()
-    np.save(tmp_path / "results" / "tokens" / "valid.npy", np.array(tokenizer.encode(tiny_lm["text"][:3000]), dtype=np.uint16))
+    np.save(
+        tmp_path / "results" / "tokens" / "valid.npy",
+        np.array(tokenizer.encode(tiny_lm["text"][:3000]), dtype=np.uint16),
+    )
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -68,8 +76,10 @@ def test_a_running_run_is_sampled_and_evaluated_from_its_state_folder(workdir, t
 
     code, out, err = run_cli(capsys, "sample", "--prompt", "the king")
     assert code == 0, err
-    assert (f"[sample] using step 100 from {published}: results/checkpoints is published when the run finishes "
-            "and it has none yet (the run is training or was stopped)") in err
+    assert (
+        f"[sample] using step 100 from {published}: results/checkpoints is published when the run finishes "
+        "and it has none yet (the run is training or was stopped)"
+    ) in err
     assert f"[sample] step 100 of {published}" in err and out.strip()
     assert "trained with another config" not in err
 
@@ -89,7 +99,9 @@ def test_a_running_run_is_sampled_and_evaluated_from_its_state_folder(workdir, t
     assert code == 0 and "[sample] step 50 of results/checkpoints" in err
 
     # A folder named explicitly is read as it is.
-    code, _, err = run_cli(capsys, "sample", "--prompt", "the king", "--checkpoint-dir", "results/checkpoints")
+    code, _, err = run_cli(
+        capsys, "sample", "--prompt", "the king", "--checkpoint-dir", "results/checkpoints"
+    )
     assert code == 0 and "[sample] step 100 of results/checkpoints" in err and "using step" not in err
 
     code, _, err = run_cli(capsys, "generate", "--output", "results/my_samples.txt")
@@ -102,8 +114,10 @@ def test_no_checkpoint_anywhere_names_both_folders(workdir, capsys):
     state_dir = Path("results/state") / run_hash(load_config("config/config.yaml"))
     code, _, err = run_cli(capsys, "sample", "--prompt", "x")
     assert code == 1
-    assert f"no committed checkpoints in results/checkpoints nor in the state folder of the run this config " \
-           f"describes, {state_dir}" in err
+    assert (
+        f"no committed checkpoints in results/checkpoints nor in the state folder of the run this config "
+        f"describes, {state_dir}" in err
+    )
     assert "tinylm sample: error: results/checkpoints: no committed checkpoints" in err
 
 
@@ -112,8 +126,10 @@ def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, c
     commit_steps(Path("elsewhere"), [100], trained_with, tiny_lm)
     state_lib.publish("elsewhere", "results/checkpoints")
     write_config(Path("config/config.yaml"), seed=1, lr_max=0.003)  # then the config was edited
-    expected = ("was trained with another config than config/config.yaml: train.lr_max: 0.006 in the checkpoint, "
-                "0.003 in the config; train.seed: 0 in the checkpoint, 1 in the config")
+    expected = (
+        "was trained with another config than config/config.yaml: train.lr_max: 0.006 in the checkpoint, "
+        "0.003 in the config; train.seed: 0 in the checkpoint, 1 in the config"
+    )
     for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
         code, _, err = run_cli(capsys, *argv)
         assert code == 0, err
@@ -124,7 +140,9 @@ def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, c
     code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
     assert code == 0 and "another config" not in err
     # Under Snakemake a stage is given only the sections it depends on (and model and train for this check).
-    code, _, err = run_cli(capsys, "sample", "--prompt", "the king", "--config-json", '{"generate": {"threads": 1}}')
+    code, _, err = run_cli(
+        capsys, "sample", "--prompt", "the king", "--config-json", '{"generate": {"threads": 1}}'
+    )
     assert code == 0 and "another config" not in err
 
 
@@ -152,6 +170,9 @@ def test_config_differences_name_each_key():
     recorded["model"]["d_ff"] = 96
     recorded["train"]["seed"] = 3
     assert config_differences({"config": recorded}, cfg) == [
-        "model.d_ff: 96 in the checkpoint, 344 in the config", "train.seed: 3 in the checkpoint, 0 in the config"]
+        "model.d_ff: 96 in the checkpoint, 344 in the config",
+        "train.seed: 3 in the checkpoint, 0 in the config",
+    ]
     assert config_differences({"config": recorded}, cfg, ("train",)) == [
-        "train.seed: 3 in the checkpoint, 0 in the config"]
+        "train.seed: 3 in the checkpoint, 0 in the config"
+    ]

@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
     p.add_argument("--runs-json", required=True,
-                   help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides"}, ...]')
+                   help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides", "values"}, ...] '
+                        "(values: each run's value of every key that some run overrides)")
     p.add_argument("--output", default=f"{R}/compare.csv")
     p.add_argument("--plot", default=f"{R}/compare.png")
 

@@ -25,8 +25,9 @@ from tinylm.config import Config, weight_config
 from tinylm.state import published_manifest, published_steps
 
 
-def find_checkpoints(checkpoint_dir: str | os.PathLike, state_dir: str | os.PathLike | None,
-                     step: int | None = None) -> tuple[Path, str | None]:
+def find_checkpoints(
+    checkpoint_dir: str | os.PathLike, state_dir: str | os.PathLike | None, step: int | None = None
+) -> tuple[Path, str | None]:
     """(the folder of published checkpoints to read, a line saying why it is not `checkpoint_dir`, or None).
 
     With `state_dir` None, `checkpoint_dir` as it is. Otherwise the newest committed step (or, with
@@ -40,22 +41,29 @@ def find_checkpoints(checkpoint_dir: str | os.PathLike, state_dir: str | os.Path
     state_published = Path(state_dir) / "published"
     published, committed = published_steps(checkpoint_dir), published_steps(state_published)
     if not published and not committed:
-        return checkpoint_dir, (f"no committed checkpoints in {checkpoint_dir} nor in the state folder of the run "
-                                f"this config describes, {state_dir}")
+        return checkpoint_dir, (
+            f"no committed checkpoints in {checkpoint_dir} nor in the state folder of the run "
+            f"this config describes, {state_dir}"
+        )
     if step is not None:
         if step in published or step not in committed:
             return checkpoint_dir, None
-        return state_published, (f"step {step} is not in {checkpoint_dir}; using it from {state_published} "
-                                 "(committed, not yet published: the run is training or was stopped)")
+        return state_published, (
+            f"step {step} is not in {checkpoint_dir}; using it from {state_published} "
+            "(committed, not yet published: the run is training or was stopped)"
+        )
     if committed and (not published or committed[-1] > published[-1]):
         has = f"its newest is step {published[-1]}" if published else "it has none yet"
-        return state_published, (f"using step {committed[-1]} from {state_published}: {checkpoint_dir} is published "
-                                 f"when the run finishes and {has} (the run is training or was stopped)")
+        return state_published, (
+            f"using step {committed[-1]} from {state_published}: {checkpoint_dir} is published "
+            f"when the run finishes and {has} (the run is training or was stopped)"
+        )
     return checkpoint_dir, None
 
 
-def config_differences(manifest: dict[str, Any], cfg: Config, sections: tuple[str, ...] = ("model", "train")) -> list[
-        str]:
+def config_differences(
+    manifest: dict[str, Any], cfg: Config, sections: tuple[str, ...] = ("model", "train")
+) -> list[str]:
     """'section.key: V in the checkpoint, W in the config' for every key of `sections` that differs.
 
     Compared: the keys that decide the trained weights, as the manifest's "config" records them
@@ -72,13 +80,21 @@ def config_differences(manifest: dict[str, Any], cfg: Config, sections: tuple[st
             continue
         for key in sorted(ours.keys() | theirs.keys()):
             if ours.get(key) != theirs.get(key):
-                out.append(f"{section}.{key}: {theirs.get(key, 'absent')!r} in the checkpoint, "
-                           f"{ours.get(key, 'absent')!r} in the config")
+                out.append(
+                    f"{section}.{key}: {theirs.get(key, 'absent')!r} in the checkpoint, "
+                    f"{ours.get(key, 'absent')!r} in the config"
+                )
     return out
 
 
-def warn_if_other_config(stage: str, checkpoint_dir: str | os.PathLike, step: int, cfg: Config,
-                         sections: tuple[str, ...], config_name: str) -> list[str]:
+def warn_if_other_config(
+    stage: str,
+    checkpoint_dir: str | os.PathLike,
+    step: int,
+    cfg: Config,
+    sections: tuple[str, ...],
+    config_name: str,
+) -> list[str]:
     """Print one line `[stage] <step_N.pt> was trained with another config than <config_name>: ...` when
     the recorded config of published checkpoint `step` differs from `cfg` in `sections`; returns the
     differences. Nothing is compared when `sections` is empty (the stage was given no model or train
@@ -87,6 +103,10 @@ def warn_if_other_config(stage: str, checkpoint_dir: str | os.PathLike, step: in
         return []
     differences = config_differences(published_manifest(checkpoint_dir, step), cfg, sections)
     if differences:
-        print(f"[{stage}] {Path(checkpoint_dir) / f'step_{step}.pt'} was trained with another config than "
-              f"{config_name}: {'; '.join(differences)}", file=sys.stderr, flush=True)
+        print(
+            f"[{stage}] {Path(checkpoint_dir) / f'step_{step}.pt'} was trained with another config than "
+            f"{config_name}: {'; '.join(differences)}",
+            file=sys.stderr,
+            flush=True,
+        )
     return differences

@@ -56,3 +56,9 @@ def data_file(path):
 def workers(section):
     """threads: of a data rule, from its num_workers (null: every core)."""
     return lambda wildcards: getattr(DATA_OF[wildcards.data_dir], section).num_workers or workflow.cores
+
+
+def config_value(cfg, dotted):
+    """The value of a dotted key ("train.lr_max") in a run's config."""
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key)

@@ -1,8 +1,12 @@
 # Every run of the config side by side; `snakemake --cores all results/compare.csv` trains each run
 # (in parallel when cores allow: each pretrain job's threads are its world_size * threads_per_rank).
+# Each run's values of every key that some run overrides: the comparison table shows those that differ.
+OVERRIDDEN = list(dict.fromkeys(key for overrides in OVERRIDES.values() for key in overrides))
+
+
 COMPARED = [
     {"name": run, "eval": f"results/{run_dir(run)}eval.csv", "checkpoints": f"results/{run_dir(run)}checkpoints",
-     "overrides": OVERRIDES[run]}
+     "overrides": OVERRIDES[run], "values": {key: config_value(RUNS[run], key) for key in OVERRIDDEN}}
     for run in RUNS
 ]
 
