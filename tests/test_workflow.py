@@ -70,6 +70,8 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
     for stage in ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"]:
         assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
     assert list((results / "tensorboard").glob("events.out.tfevents.*"))
+    for log in (results / "logs").glob("*.log"):  # progress bars are drawn on terminals only
+        assert "\r" not in log.read_text(), log.name
 
     table = pd.read_csv(results / "eval.csv")
     assert list(table["step"]) == [20, 40]

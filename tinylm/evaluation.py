@@ -119,7 +119,7 @@ def score_tokens(model: torch.nn.Module, tokens: np.ndarray, context_length: int
     loss_sum = text_loss_sum = 0.0
     count = 0
     span = np.arange(context_length + 1)
-    for first in tqdm(range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=not progress):
+    for first in tqdm(range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=None if progress else True):
         starts = np.arange(first, min(first + batch_size, num_windows)) * context_length
         full = starts[starts + context_length + 1 <= n]
         groups = [tokens[full[:, None] + span]] if len(full) else []

@@ -57,7 +57,9 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(tmp, "wb") as out:
                 length = response.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
-                with tqdm(total=total, unit="B", unit_scale=True, desc=name, file=sys.stderr) as bar:
+                with tqdm(
+                    total=total, unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None
+                ) as bar:
                     while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
                         out.write(chunk)
                         bar.update(len(chunk))

@@ -119,7 +119,7 @@ def merge_pairs(
     heapq.heapify(heap)
 
     merges = []
-    for _ in tqdm(range(num_merges), desc="bpe merges", disable=not progress):
+    for _ in tqdm(range(num_merges), desc="bpe merges", disable=None if progress else True):
         best = _pop_best(heap, pair_counts, vocab, index)
         if best is None:
             break

@@ -75,7 +75,11 @@ def encode_corpus(
             for i, (start, end) in enumerate(pairwise(bounds))
         ]
         bar = tqdm(
-            total=size, unit="B", unit_scale=True, desc=f"encode {input_path.name}", disable=not progress
+            total=size,
+            unit="B",
+            unit_scale=True,
+            desc=f"encode {input_path.name}",
+            disable=None if progress else True,
         )
         lengths = []
         replaced = 0

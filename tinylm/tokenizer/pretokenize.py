@@ -276,7 +276,7 @@ def count_pretokens(
 
     total: Counter = Counter()
     replaced = 0
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize", disable=not progress)
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize", disable=None if progress else True)
     with bar:
         for counts, task_replaced, task_bytes in map_in_processes(count_chunks, tasks, num_workers):
             if len(counts) > len(total):  # add the smaller Counter into the larger one
