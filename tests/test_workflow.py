@@ -336,3 +336,145 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, 
     a, _ = load_verified(results / "runs" / "narrow" / "checkpoints" / "step_40.pt")
     assert a["model"]["layers.0.ffn.w1.weight"].shape[0] == 48
     assert final.loc["lr3e-2", "val_loss"] != final.loc["default", "val_loss"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every command of the README's code blocks runs (a dry run where a full run would take too long)
+
+README = ROOT / "README.md"
+# The programs a README command may start with; a code block whose first line starts otherwise shows output.
+PROGRAMS = ("pip ", "snakemake ", "python ", "tensorboard ")
+
+
+def readme_code_blocks() -> list[tuple[str, list[str]]]:
+    """(info, lines) of every code block of the README: fenced ones with their info string ("yaml", ""),
+    indented ones (4 spaces after a blank line) with the info "indented" and the indentation removed."""
+    blocks, fenced, indented = [], None, None
+    lines = README.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines):
+        if fenced is not None:
+            if line.startswith("```"):
+                blocks.append(fenced)
+                fenced = None
+            else:
+                fenced[1].append(line)
+        elif line.startswith("```"):
+            fenced = (line[3:].strip(), [])
+        elif line.startswith("    ") and (indented is not None or not lines[n - 1].strip()):
+            indented = indented or ("indented", [])
+            indented[1].append(line[4:])
+        elif indented is not None:
+            blocks.append(indented)
+            indented = None
+    return blocks + ([indented] if indented else [])
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's shell blocks, in order: `a && b` gives two, a heredoc stays whole
+    (with its body), a trailing `# comment` is dropped."""
+    commands = []
+    for info, lines in readme_code_blocks():
+        if info != "indented" or not lines[0].startswith(PROGRAMS):
+            continue
+        lines = iter(lines)
+        for line in lines:
+            if "<<'" in line:  # a heredoc: the lines up to its terminator belong to it
+                end = line.split("<<'", 1)[1].split("'", 1)[0]
+                body = [line]
+                for more in lines:
+                    body.append(more)
+                    if more == end:
+                        break
+                commands.append("\n".join(body))
+                continue
+            line = line.split("  #", 1)[0].strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    return commands
+
+
+def test_the_readme_commands_are_found_and_each_has_a_way_to_run():
+    commands = readme_commands()
+    assert "snakemake --cores all results/samples.txt" in commands  # the README's first command
+    assert any(c.startswith("python - <<'PY'") and c.endswith("\nPY") for c in commands)
+    for command in commands:
+        assert command.startswith(PROGRAMS), f"README command with a program this test does not know: {command}"
+    for info, lines in readme_code_blocks():  # blocks of output or config, never commands
+        if info == "indented" and not lines[0].startswith(PROGRAMS):
+            assert not any(line.startswith(PROGRAMS) for line in lines), lines
+
+
+def readme_extra(spec: str) -> str | None:
+    """The extra that `pip install` installs in a README spec (".[test]" or "tinylm[slurm]"), or None."""
+    return spec.split("[", 1)[1].rstrip("]'\"").strip() if "[" in spec else None
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(two_runs, tmp_path):
+    """In a copy of a finished tiny run with the workflow beside it, as a user would type them: stages by hand,
+    the reports, the export and what loads it, and tensorboard (--inspect, which prints and exits) for real;
+    every other snakemake command as a dry run; `python -m pytest` collects only; `pip install` is checked
+    against pyproject.toml (its extras exist and the pinned torch is in the accepted range). A sweep's
+    report is built after a one-run sweep written to the sweep file it names."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    (workdir / "workflow").symlink_to(ROOT / "workflow")
+    for info, lines in readme_code_blocks():  # files the README shows, such as config/my_sweep.yaml
+        if info == "yaml" and lines[0].startswith("# config/"):
+            (workdir / lines[0][2:]).write_text("\n".join(lines) + "\n")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    ran = []
+    for command in readme_commands():
+        words = command.split()
+        if words[:2] == ["pip", "install"]:
+            for spec in words[2:]:
+                if (extra := readme_extra(spec)) is not None:
+                    assert extra in project["optional-dependencies"], (command, extra)
+                elif not spec.startswith("-"):
+                    pinned = Requirement(spec)
+                    version = str(next(iter(pinned.specifier)).version)
+                    assert requirements[pinned.name].specifier.contains(version), (command, spec)
+            continue
+        run = command
+        if words[0] == "snakemake" and "--report" not in words and "results/hf" not in words:
+            if "workflow/profiles/slurm" in command and not _has_slurm_plugin():
+                continue
+            run = command.replace("snakemake ", "snakemake -n ", 1)
+        elif words[:3] == ["python", "-m", "pytest"]:
+            run = f"cd {ROOT} && {command} --collect-only -q"
+        elif words[0] == "tensorboard":
+            run = command.replace("tensorboard ", "tensorboard --inspect ", 1)
+        elif "--report" in words and "--configfile" in words:
+            # A sweep's report needs the sweep run first: a one-run sweep in the same file, trained for real
+            # (the README's three runs, one with a tokenizer of its own, would take minutes).
+            sweep = workdir / words[words.index("--configfile") + 1]
+            shown = sweep.read_text()
+            sweep.write_text(yaml.safe_dump({"runs": {"lr3e-3": {"train.lr_max": 0.003}}}))
+            target = next(w for w in words[1:] if w.startswith("results/"))
+            run = f"snakemake --cores all {target} --configfile {sweep.relative_to(workdir)} && {command}"
+        proc = subprocess.run(["bash", "-c", run], cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        ran.append((command, proc.stdout + proc.stderr))
+        if "--report" in words and "--configfile" in words:
+            sweep.write_text(shown)
+            assert (workdir / words[2]).is_file() and (workdir / "results" / "compare.png").is_file()
+
+    outputs = dict(ran)
+    assert (workdir / "my_samples.txt").is_file() and (workdir / "report.html").is_file()
+    assert "[sample] step 40 of results/checkpoints" in outputs[next(c for c in outputs if "tinylm sample" in c)]
+    assert all(tag in outputs["tensorboard --logdir results/tensorboard"] for tag in ("loss_train", "val_loss"))
+    assert len(ran) >= 12
+
+
+def _has_slurm_plugin() -> bool:
+    try:
+        import snakemake_executor_plugin_slurm  # noqa: F401
+    except ImportError:
+        return False
+    return True
