@@ -176,3 +176,15 @@ def test_config_differences_name_each_key():
     assert config_differences({"config": recorded}, cfg, ("train",)) == [
         "train.seed: 3 in the checkpoint, 0 in the config"
     ]
+
+
+@pytest.mark.slow
+def test_a_stopped_run_is_exported_from_its_state_folder(workdir, tiny_lm, capsys):
+    pytest.importorskip("transformers")
+    state_dir = Path("results/state") / run_hash(load_config("config/config.yaml"))
+    commit_steps(state_dir, [50, 100], Path("config/config.yaml"), tiny_lm)
+    code, _, err = run_cli(capsys, "export", "--output", "results/hf")
+    assert code == 0, err
+    assert f"[export] using step 100 from {state_dir / 'published'}" in err
+    assert f"[export] step 100 of {state_dir / 'published'} exported to results/hf" in err
+    assert (Path("results/hf") / "model.safetensors").is_file() and not Path("results/checkpoints").exists()
