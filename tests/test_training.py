@@ -375,3 +375,23 @@ def test_fault_hooks_poison_only_the_forwards_of_their_step(monkeypatch):
     module = torch.nn.Linear(2, 2)
     install_fault_hooks(module, rank=0, first_step=0, micro_steps=1)
     assert not module._forward_hooks and not module._forward_pre_hooks  # unset: nothing installed
+
+
+def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from tinylm.training import limit_compile_threads, ranks_on_this_machine
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ranks_on_this_machine(8) == 8
+    assert limit_compile_threads(8) == 2 == inductor_config.compile_threads
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    assert limit_compile_threads(32) == 1 == inductor_config.compile_threads  # at least one
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's setting wins
+    assert limit_compile_threads(8) == 3 == inductor_config.compile_threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: the ranks started on this machine
+    assert ranks_on_this_machine(16) == 4
