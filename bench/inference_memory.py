@@ -1,9 +1,9 @@
-"""Benchmark: what evaluation costs in memory and time on checkpoints of a 134M-parameter model.
+"""Benchmark: what evaluation costs in memory and time on checkpoints of a 106M-parameter model.
 
     python bench/inference_memory.py [--folder DIR]
 
-Two published checkpoints of a GPT-2-small-like shape (vocab 32,000, d_model 768, 12 layers,
-context 64; 134M parameters, 512 MiB of float32 weights), the newer one with its AdamW moments
+Two published checkpoints of a GPT-2-small-like shape (vocab 32,000, d_model 768, 8 layers,
+context 64; 106M parameters, 404 MiB of float32 weights), the newer one with its AdamW moments
 (the full format, 3x the weights), as a run publishes them. Then, each in a fresh process:
 
 1. `python -m tinylm evaluate` with an empty cache: peak resident set (VmHWM) and wall time;
@@ -33,7 +33,7 @@ from tinylm import state as state_lib
 from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer
 
-LARGE = dict(vocab_size=32000, context_length=64, d_model=768, num_layers=12, num_heads=12, d_ff=2048,
+LARGE = dict(vocab_size=32000, context_length=64, d_model=768, num_layers=8, num_heads=12, d_ff=2048,
              rope_theta=10000.0)
 EOT = "<|endoftext|>"
 PEAK = "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"

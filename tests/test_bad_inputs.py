@@ -54,7 +54,8 @@ def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
     for step in steps:
         payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step * 128,
                    "model_config": config, "rng": []}
-        state_lib.commit(folder / "state", step, payload, {"world_size": 1})
+        manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
+        state_lib.commit(folder / "state", step, payload, manifest)
     state_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
