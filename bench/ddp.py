@@ -123,8 +123,9 @@ class ByteCounter:
     """Counts the bytes this rank sends, by collective kind, while it is active.
 
     torch.distributed's Python collectives are wrapped; torch's DistributedDataParallel all-reduces
-    from C++, so its buckets are counted by a communication hook (`hook_for`) that then runs the
-    usual all-reduce. Bytes sent per call, for n bytes in a world of w (ring algorithms):
+    from C++, so for the counted step it gets torch's own `allreduce_hook` as its communication hook
+    (`hook_for`), which does what the built-in path does through the Python `dist.all_reduce`, and is
+    counted there. Bytes sent per call, for n bytes in a world of w (ring algorithms):
     all_reduce 2 (w - 1) / w * n; reduce: n unless this rank is the destination; broadcast: n if
     this rank is the source. At w = 2 these are exact for any algorithm.
     """
@@ -163,15 +164,12 @@ class ByteCounter:
 
         return counted
 
-    def hook_for(self):
-        """A torch DDP communication hook: count the bucket, then all-reduce it as torch does."""
+    @staticmethod
+    def hook_for():
+        """torch's default all-reduce as a DDP communication hook, so that it runs through dist.all_reduce."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        def hook(state, bucket):
-            self.add("all_reduce", bucket.buffer())
-            return allreduce_hook(state, bucket)
-
-        return hook
+        return allreduce_hook
 
 
 def count_collectives(fn) -> int:

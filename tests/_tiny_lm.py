@@ -75,7 +75,8 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
         optimizer.step()
     torch.set_num_threads(threads)
     payload = {"model": model.state_dict(), "optimizer": {}, "iteration": steps, "model_config": dict(MODEL)}
-    state_lib.commit(folder / "state", steps, payload, {"world_size": 1})
+    manifest = {"world_size": 1, "tokens_seen": steps * 16 * MODEL["context_length"], "model_config": dict(MODEL)}
+    state_lib.commit(folder / "state", steps, payload, manifest)
     state_lib.publish(folder / "state", folder / "ckpt")
     return {"tokenizer": folder / "tokenizer.json", "checkpoints": folder / "ckpt", "step": steps,
             "text": text}

@@ -54,7 +54,8 @@ def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
     for step in steps:
         payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step * 128,
                    "model_config": config, "rng": []}
-        state_lib.commit(folder / "state", step, payload, {"world_size": 1})
+        manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
+        state_lib.commit(folder / "state", step, payload, manifest)
     state_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
@@ -84,11 +85,25 @@ def test_token_file_of_wrong_dtype_or_shape_is_refused(tiny_data, tmp_path, arra
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)), str(bad))
 
 
+class _CreatesAFileWhenUnpickled:
+    """Unpickling this calls open(path, "w"): the file appears only if someone unpickled it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 def test_pickled_token_file_is_refused_and_never_unpickled(tiny_data, tmp_path):
-    bad = tmp_path / "train.npy"
-    np.save(bad, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    bad, marker = tmp_path / "train.npy", tmp_path / "unpickled"
+    np.save(bad, np.array([_CreatesAFileWhenUnpickled(marker)], dtype=object), allow_pickle=True)
+    np.load(bad, allow_pickle=True)  # the payload works: loading with pickles allowed runs it
+    assert marker.exists()
+    marker.unlink()
     config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)), str(bad))
+    assert not marker.exists(), "the token file was unpickled"
 
 
 def test_token_file_of_another_vocabulary_is_refused(tiny_data, tmp_path):

@@ -74,3 +74,24 @@ def test_peak_memory_on_the_cpu_is_the_peak_rss():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     before, after = map(float, out.split())
     assert 800 <= after - before <= 1100
+
+
+def test_step_meter_counts_training_steps_only():
+    """Tokens/s come from the steps' own durations, whatever else (validation, checkpoints) took time."""
+    import time
+
+    from tinylm.throughput import StepMeter
+
+    meter = StepMeter(tokens_per_step=1000, model_flops_per_token=6e6, peak_per_device=1e12, num_devices=2,
+                      device=torch.device("cpu"))
+    meter.add_step(0.5)
+    time.sleep(0.2)  # a validation pass between the steps: not counted
+    meter.add_step(1.5)
+    line = meter.report(steps_left=10)
+    assert line.startswith("1,000 tok/s MFU 0.3% ")  # 2 steps x 1000 tokens / 2.0 s; 1000 x 6e6 / 2e12
+    assert line.endswith("ETA 10s")  # 10 steps x the mean step of 1.0 s
+    meter.add_step(0.25)  # a new window: the rate since the previous report only
+    assert meter.report(steps_left=0).startswith("4,000 tok/s")
+    meter.restart()  # after the compiled first step: the first step is forgotten for the ETA too
+    meter.add_step(2.0)
+    assert meter.report(steps_left=3).endswith("ETA 6s")

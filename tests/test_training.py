@@ -450,3 +450,23 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
     command = rest.split("Resume with:\n  ", 1)[1].strip()
     assert command == "python -m tinylm " + " ".join(args)
     assert not (tmp_path / "ckpt").exists()  # published only when the run finishes (or by `sample`'s lookup)
+
+
+def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from tinylm.training import limit_compile_threads, ranks_on_this_machine
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ranks_on_this_machine(8) == 8
+    assert limit_compile_threads(8) == 2 == inductor_config.compile_threads
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    assert limit_compile_threads(32) == 1 == inductor_config.compile_threads  # at least one
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's setting wins
+    assert limit_compile_threads(8) == 3 == inductor_config.compile_threads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: the ranks started on this machine
+    assert ranks_on_this_machine(16) == 4

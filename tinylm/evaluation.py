@@ -183,15 +183,15 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
             "dtype": dtype_name(dtype),
             "torch": torch.__version__,
         }
-        if "tokens_seen" not in manifest:
-            raise CheckpointError(f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
-                                  f"tokens_seen (written by an older tinylm: train again to publish it anew)")
-        tokens_seen = int(manifest["tokens_seen"])
-        cacheable = key["weights_sha256"] is not None
+        tokens_seen = manifest.get("tokens_seen")
+        cacheable = key["weights_sha256"] is not None and tokens_seen is not None
         cached = _read_cache(cache_dir, key) if cacheable else None
         if cached is None:
             model, _ = state_lib.load_model(checkpoint_dir, step, device)
             check_vocabulary(model.vocab_size, tokenizer, Path(checkpoint_dir) / f"step_{step}.pt")
+            if tokens_seen is None:
+                raise CheckpointError(f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                                      f"tokens_seen (written by an older tinylm: train again to publish it anew)")
             scores = score_tokens(model, tokens, model.context_length, batch_size, special_ids, device, dtype,
                                   progress)
             del model
@@ -201,7 +201,7 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
         else:
             scores = cached
             how = "cached"
-        rows.append(_row(step, tokens_seen, scores, stats))
+        rows.append(_row(step, int(tokens_seen), scores, stats))
         print(f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
               f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})", file=sys.stderr)
     table = pd.DataFrame(rows, columns=COLUMNS)

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
+import pandas as pd
 import torch
 
-from tinylm.evaluation import read_eval
 from tinylm.io import atomic_write_text
 from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
@@ -178,7 +178,7 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     parts = [f"# tinylm samples: checkpoint step {step}, temperature {gen_cfg.temperature}, "
              f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"]
     if eval_path is not None:
-        rows = read_eval(eval_path)
+        rows = pd.read_csv(eval_path)  # a plain CSV (see evaluation.write_eval)
         row = rows[rows["step"] == step]
         if row.empty:
             raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")
