@@ -304,3 +304,56 @@ def test_sharded_muon_equals_unsharded_and_consolidates(tmp_path):
     assert owned == list(range(results[0]["num_parameters"]))  # disjoint shares that cover everything
     assert all(r["owned_matrices"] > 0 for r in results)  # both ranks orthogonalise matrices
     assert max(r["worst"] for r in results) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# The config keys and the resume check
+
+
+def test_adamw_runs_keep_their_hash_and_muon_keys_count_only_with_muon():
+    from tinylm.config import ConfigError, from_dict, run_hash, weight_config
+
+    base = from_dict({})
+    assert "optimizer" not in weight_config(base)["train"]
+    # Under AdamW the Muon keys change nothing: the same run, the same state folder as before Muon.
+    assert run_hash(from_dict({"train": {"muon_lr": 0.05, "muon_momentum": 0.9}})) == run_hash(base)
+    muon = from_dict({"train": {"optimizer": "muon"}})
+    assert run_hash(muon) != run_hash(base)
+    assert weight_config(muon)["train"]["optimizer"] == "muon"
+    assert run_hash(from_dict({"train": {"optimizer": "muon", "muon_lr": 0.05}})) != run_hash(muon)
+    for train, words in [
+        ({"embedding_lr": 0.1}, "train.embedding_lr: applies with train.optimizer 'muon' only"),
+        ({"head_lr": 0.1}, "train.head_lr: applies with train.optimizer 'muon' only"),
+        ({"optimizer": "muon", "muon_momentum": 1.0}, "train.muon_momentum: 1.0 must be below 1"),
+        ({"optimizer": "sgd"}, "train.optimizer: 'sgd' is not one of"),
+        ({"optimizer": "muon", "muon_adjust_lr": "x"}, "train.muon_adjust_lr: 'x' is not one of"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            from_dict({"train": train})
+
+
+def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
+    from tinylm.config import from_dict, weight_config
+    from tinylm.state import FORMAT, CheckpointError, check_resumable
+
+    def manifest(train: dict) -> dict:
+        return {"seed": 0, "structural_hash": "abc", "config": weight_config(from_dict({"train": train}))}
+
+    adamw, muon = manifest({}), manifest({"optimizer": "muon"})
+    saved_adamw, saved_muon = {**adamw, "format": FORMAT}, {**muon, "format": FORMAT}
+    check_resumable(saved_adamw, adamw, "s")
+    check_resumable(saved_muon, muon, "s")
+    with pytest.raises(
+        CheckpointError, match=r"train\.optimizer differs \(state has 'adamw', this run has 'muon'\)"
+    ):
+        check_resumable(saved_adamw, muon, "s")
+    with pytest.raises(
+        CheckpointError, match=r"train\.optimizer differs \(state has 'muon', this run has 'adamw'\)"
+    ):
+        check_resumable(saved_muon, adamw, "s")
+    with pytest.raises(
+        CheckpointError, match=r"train\.muon_lr differs \(state has 0\.02, this run has 0\.05\)"
+    ):
+        check_resumable(saved_muon, manifest({"optimizer": "muon", "muon_lr": 0.05}), "s")
+    # An AdamW state holds none of the Muon keys, as one written before Muon existed.
+    assert not {"optimizer", "muon_lr", "embedding_lr"} & set(saved_adamw["config"]["train"])
