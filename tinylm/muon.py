@@ -44,7 +44,7 @@ def newton_schulz(
     update: [m, n], any float dtype. Returns [m, n] bfloat16: U = P S Q^T becomes about P S' Q^T,
     where each singular value s of U / ||U||_F goes through s -> a s + b s^3 + c s^5 `steps` times;
     with the default five steps every s >= 0.003 lands in [0.68, 1.21] (up to bfloat16 rounding).
-    The arithmetic is torch.optim.Muon's, operation for operation, so the bits agree on a device.
+    The arithmetic is torch.optim.Muon's, operation for operation: the same bits (tested on the CPU).
 
     One matrix at a time, on purpose: a batched product of a stack of matrices (torch.baddbmm) is
     another kernel whose bfloat16 results differ from the 2-D one in the last bit now and then, and
