@@ -157,3 +157,47 @@ def test_float16_overflow_is_skipped_and_lowers_the_scale_on_the_gpu(tiny_data, 
     assert "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in proc.stderr
     payload = final(tmp_path / "state")
     assert payload["grad_scaler"]["scale"] == 32768.0
+
+
+def test_muon_matches_torch_muon_on_cuda_and_a_muon_run_trains(tiny_data, tmp_path):
+    """Our Muon (with AdamW beside it) against torch.optim.Muon + AdamW on the GPU for 100 steps,
+    then a Muon pretrain run on CUDA (bf16 autocast, blocks compiled) that learns."""
+    import copy
+
+    from tinylm.model import Transformer
+    from tinylm.muon import Muon
+    from tinylm.nn_utils import cross_entropy
+
+    config = dict(vocab_size=50, context_length=8, d_model=64, num_layers=2, num_heads=2, d_ff=96)
+    torch.manual_seed(0)
+    ours_model = Transformer(**config, device="cuda")
+    torch_model = copy.deepcopy(ours_model)
+
+    def split(model):
+        named = list(model.named_parameters())
+        return ([p for n, p in named if n.startswith("layers.") and p.dim() == 2],
+                [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)])
+
+    matrices, others = split(ours_model)
+    ours = [Muon([{"params": matrices}, {"params": others, "use_muon": False, "lr": 3e-3}], lr=0.02)]
+    torch_matrices, torch_others = split(torch_model)
+    theirs = [torch.optim.Muon(torch_matrices, lr=0.02), torch.optim.AdamW(torch_others, lr=3e-3, foreach=True)]
+    for model, optimizers in ((ours_model, ours), (torch_model, theirs)):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(100):
+            tokens = torch.randint(0, config["vocab_size"], (4, config["context_length"] + 1), generator=g).cuda()
+            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            loss.backward()
+            for o in optimizers:
+                o.step()
+    for (name, p), q in zip(ours_model.named_parameters(), torch_model.parameters(), strict=True):
+        err = ((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+        assert err <= 1e-6, f"{name}: relative difference {err:.2e}"
+
+    cfg = write_tiny_config(tmp_path / "config.yaml", train={"optimizer": "muon", "world_size": 1, "dtype": "bfloat16",
+                                                               "compile": True})
+    proc = pretrain(tiny_data, cfg, tmp_path / "state")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final(tmp_path / "state")["optimizer"]["param_groups"][0]["use_muon"] is True

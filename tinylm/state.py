@@ -78,6 +78,7 @@ from tinylm.checkpoint import (
     verify_file,
     write_tensors,
 )
+from tinylm.config import default_weight_config
 from tinylm.io import atomic_path, atomic_write_text, fsync_dir
 from tinylm.model import RotaryEmbedding, Transformer
 from tinylm.parallel.heartbeat import Heartbeat
@@ -501,10 +502,20 @@ def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: s
     expected = {"format": FORMAT, **expected}
     differences = [(key, manifest.get(key), expected[key]) for key in RESUME_KEYS
                    if key in expected and manifest.get(key) != expected[key]]
+    # A weight key that one side leaves out (see tinylm.config.weight_config) is at its default there:
+    # an AdamW state has no train.optimizer, and a Muon run is still refused on it, and the reverse.
+    # Keys are checked in the config's order (train.optimizer before the keys that depend on it).
     saved_config, config = manifest.get("config", {}), expected.get("config", {})
-    differences += [(f"{section}.{key}", saved_config.get(section, {}).get(key), value)
-                    for section, values in config.items() for key, value in values.items()
-                    if saved_config.get(section, {}).get(key) != value]
+    defaults = default_weight_config()
+    for section in dict.fromkeys([*config, *saved_config]):
+        saved_values, values = saved_config.get(section, {}), config.get(section, {})
+        section_defaults = defaults.get(section, {})
+        known = [k for k in section_defaults if k in values or k in saved_values]
+        for key in dict.fromkeys([*known, *values]):
+            saved = saved_values.get(key, section_defaults.get(key))
+            wanted = values.get(key, section_defaults.get(key))
+            if saved != wanted:
+                differences.append((f"{section}.{key}", saved, wanted))
     if differences:
         key, saved, wanted = differences[0]
         raise CheckpointError(

@@ -45,7 +45,7 @@ from tinylm.faults import install_fault_hooks
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, gradient_clip
-from tinylm.optim import AdamW, cos_lr_scheduler, param_groups
+from tinylm.optim import build_optimizer, set_learning_rates
 from tinylm.parallel import DDP, ShardedOptimizer, launch
 from tinylm.precision import LossScaler, autocast, resolve_dtype
 from tinylm.throughput import StepMeter, flops_per_token, peak_flops
@@ -309,14 +309,11 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
 
     # The parameters and AdamW state stay in param_dtype (float32); autocast lowers the forward only.
     model = Transformer(**model_config, device=device, dtype=param_dtype)
-    groups = param_groups(model, t.weight_decay)
-    opt_kwargs = dict(lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps)
-    sharded = world_size > 1 and t.shard_optimizer
+    optimizer = build_optimizer(model, t, world_size)  # train.optimizer, sharded when asked
+    sharded = isinstance(optimizer, ShardedOptimizer)
     if sharded:  # ZeRO-1: each rank steps its share; DDP reduces each gradient to its owner only
-        optimizer = ShardedOptimizer(groups, AdamW, bucket_size_mb=t.bucket_size_mb, **opt_kwargs)
         held = optimizer.owned_parameters()
     else:
-        optimizer = AdamW(groups, **opt_kwargs)
         held = [p for p in model.parameters() if p.requires_grad]
     if t.compile:
         # Block by block, so that each block's backward is one autograd node and DDP's buckets
@@ -358,9 +355,8 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         step_started = time.perf_counter()
         # The schedule is indexed by the number of the update being made (1-based), so the first
         # update already has a non-zero learning rate and update max_iters reaches lr_min.
-        lr = cos_lr_scheduler(it + 1, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lrs = set_learning_rates(optimizer, it + 1, t)  # {group name: lr}, each group to its own peak
+        lr = next(iter(lrs.values()))  # the log shows the first group's ("matrices")
 
         # Forward and backward over this rank's micro-batches; each micro-loss is divided by their
         # number, so that the summed gradients are those of the mean loss over the rank's share.
@@ -412,7 +408,8 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}")
         if writer is not None:
             writer.add_scalar("loss_train", loss_value, step)
-            writer.add_scalar("lr", lr, step)
+            for name, group_lr in lrs.items():
+                writer.add_scalar(f"lr/{name}", group_lr, step)
             writer.add_scalar("grad_norm", norm_value, step)
         if ctx.is_main and (step % t.val_interval == 0 or step == t.max_iters):
             began = time.perf_counter()
