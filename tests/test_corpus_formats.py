@@ -316,3 +316,28 @@ def test_glob_order_is_by_name_and_recursive(tmp_path):
         tmp_path, "out", train_files=[str(tmp_path / "in/**/*.txt")], valid_files=[str(tmp_path / "in/c.txt")]
     )
     assert train.split(SEPARATOR) == ["a/10.txt", "a/9.txt", "b/2.txt", "c.txt"]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("form", ["jsonl", "jsonl.gz", "jsonl.zst", "txt.gz", "txt.zst"])
+def test_lines_and_characters_cut_by_small_reads(tmp_path, monkeypatch, chunk, form):
+    # Reads of a few bytes cut JSON lines, multi-byte characters and zstandard frames anywhere.
+    from tinylm.corpus import files as files_module
+    from tinylm.corpus import readers
+
+    monkeypatch.setattr(files_module, "CHUNK_SIZE", chunk)
+    monkeypatch.setattr(readers, "ZSTD_INPUT_BYTES", chunk)
+    documents = make_documents(6, 8)
+    path = tmp_path / f"docs.{form}"
+    if form.startswith("jsonl"):
+        write_jsonl(path, documents)
+    else:
+        data = SEPARATOR.join(documents).encode("utf-8")
+        compress = gzip.compress if form.endswith(".gz") else zstandard.ZstdCompressor().compress
+        # .zst: two frames, cut inside a document
+        path.write_bytes(
+            compress(data) if form.endswith(".gz") else compress(data[:100]) + compress(data[100:])
+        )
+    (tmp_path / "v.txt").write_text("held out")
+    train, _, stats = run(tmp_path, "out", train_files=[str(path)], valid_files=[str(tmp_path / "v.txt")])
+    assert train == SEPARATOR.join(documents) and stats["train_documents"] == 8
