@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import tiktoken
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinylm.tokenizer import GPT2_PATTERN, Tokenizer, encode_corpus, train_bpe
@@ -52,13 +52,22 @@ def test_trained_vocabulary_takes_tiktoken_and_gives_the_reference_ids(merges):
         assert fast.encode(text) == reference.encode(text)
 
 
-@settings(max_examples=200, deadline=None)
-@given(text=st.text(max_size=60))
-def test_engines_agree_on_arbitrary_unicode(merges, text):
+@pytest.fixture(scope="module")
+def engines(merges):
+    """(tiktoken engine, reference engine) with the trained merges."""
     vocab, merge_list = merges
+    return (
+        Tokenizer(vocab, merge_list, [SPECIAL], engine="tiktoken"),
+        Tokenizer(vocab, merge_list, [SPECIAL], engine="python"),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=60))
+def test_engines_agree_on_arbitrary_unicode(engines, text):
+    fast, reference = engines
     text = text.encode("utf-8", "replace").decode("utf-8")  # no lone surrogates: not text a file holds
-    fast = Tokenizer(vocab, merge_list, [SPECIAL], engine="tiktoken")
-    assert fast.encode(text) == Tokenizer(vocab, merge_list, [SPECIAL], engine="python").encode(text)
+    assert fast.encode(text) == reference.encode(text)
 
 
 @settings(max_examples=60, deadline=None)
