@@ -50,7 +50,7 @@ import glob, sys
 import pyarrow.parquet as pq
 n = 0
 for path in sorted(glob.glob(sys.argv[1])):
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["text"]):
+    for batch in pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False).iter_batches(batch_size=1024, columns=["text"]):
         n += sum(map(len, batch.column(0).to_pylist()))
 print(n)
 """

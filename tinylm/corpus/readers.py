@@ -29,6 +29,9 @@ COMPRESSIONS = (".gz", ".zst")
 ZSTD_INPUT_BYTES = 1 << 16
 # Parquet rows converted to Python strings at a time.
 PARQUET_BATCH_ROWS = 1024
+# Parquet column data is read this many bytes at a time, with no read-ahead (pyarrow's pre_buffer
+# reads the column chunks of many row groups ahead: about the whole of a 190 MB shard).
+PARQUET_BUFFER_BYTES = 1 << 20
 
 
 def _one_line(error: BaseException) -> str:
@@ -172,7 +175,7 @@ def parquet_texts(path: str | os.PathLike, text_field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False)
     except (pa.ArrowException, OSError) as error:
         raise CorpusError(
             f"{path}: not a readable Parquet file, truncated or corrupt? ({_one_line(error)})"
