@@ -46,16 +46,17 @@ def tiktoken_encoding(
     vocab: dict[int, bytes],
     merges: Sequence[tuple[bytes, bytes]],
     special_ids: dict[str, int],
-    encode_bytes: Callable[[bytes], Sequence[int]],
+    encode_many: Callable[[list[bytes]], list[Sequence[int]]],
 ) -> tuple[tiktoken.Encoding | None, str]:
     """(a tiktoken Encoding giving exactly our ids, "") or (None, the condition that fails).
 
     `special_ids` (special token -> id) are left out of the ranks and given to tiktoken as its
-    special tokens; `encode_bytes` is the reference BPE of a byte string (used for C4).
+    special tokens; `encode_many` is the reference BPE of each of a list of byte strings (for C4).
     """
     ranks: dict[bytes, int] = {}
+    special = set(special_ids.values())
     for i in sorted(vocab):
-        if i in special_ids.values():
+        if i in special:
             continue
         token = vocab[i]
         if token in ranks:
@@ -76,12 +77,13 @@ def tiktoken_encoding(
         if ranks[merged] <= last_id:
             return None, f"C3: merge {rank} makes id {ranks[merged]}, not above the id of merge {rank - 1}"
         last_id = ranks[merged]
-    for token, i in ranks.items():
-        if len(token) > 1:
-            if token not in made_at:
-                return None, f"C2: token {i} ({token!r}) is made by no merge"
-            if tuple(encode_bytes(token)) != (i,):
-                return None, f"C4: the bytes of token {i} ({token!r}) encode to {list(encode_bytes(token))}"
+    merged = [(token, i) for token, i in ranks.items() if len(token) > 1]
+    for token, i in merged:
+        if token not in made_at:
+            return None, f"C2: token {i} ({token!r}) is made by no merge"
+    for (token, i), ids in zip(merged, encode_many([token for token, _ in merged]), strict=True):
+        if tuple(ids) != (i,):
+            return None, f"C4: the bytes of token {i} ({token!r}) encode to {list(ids)}"
     encoding = tiktoken.Encoding(
         "tinylm", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=dict(special_ids)
     )

@@ -157,7 +157,7 @@ class Tokenizer:
             return None
         if not self._tiktoken_checked:
             self._tiktoken, reason = tiktoken_encoding(
-                self.vocab, self.merges, self.special_ids, self._encode_bytes
+                self.vocab, self.merges, self.special_ids, self._encode_many_bytes
             )
             self._tiktoken_checked = True
             self.tiktoken_refusal = reason
@@ -217,7 +217,14 @@ class Tokenizer:
         return self._encode_together(pieces)
 
     def _encode_together(self, pieces: list[str]) -> dict[str, bytes]:
-        """`_encode_piece` for many pre-tokens at once, with arrays: one merge per piece per round.
+        """`_encode_piece` for many pre-tokens at once (see `_encode_together_bytes`)."""
+        encoded = self._encode_together_bytes([piece.encode("utf-8") for piece in pieces])
+        return dict(zip(pieces, encoded, strict=True))
+
+    def _encode_together_bytes(self, encoded: list[bytes]) -> list[bytes]:
+        """`_encode_bytes` for many byte strings at once, with arrays: one merge per string per round.
+
+        Returns the ids of each as the bytes of an array of C unsigned ints.
 
         All pieces sit in one array of ids. Each round looks up the rank of every adjacent pair
         within a piece, and in every piece merges the leftmost pair of lowest rank, exactly the
@@ -225,15 +232,14 @@ class Tokenizer:
         arrays. The rounds are as many as the most merges one piece needs, not one per merge.
         """
         table = self._merge_table()
-        encoded = [piece.encode("utf-8") for piece in pieces]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         ids = table.byte_ids[np.frombuffer(b"".join(encoded), dtype=np.uint8)]
-        owner = np.repeat(np.arange(len(pieces)), lengths)  # the piece of each position
+        owner = np.repeat(np.arange(len(encoded)), lengths)  # the piece of each position
         rank = table.rank_of_pairs(ids, owner, np.arange(len(ids)))  # of the pair starting there
         done_owner, done_ids = [], []
         while len(ids):
             starts = np.flatnonzero(rank < _NO_MERGE)
-            merging = np.zeros(len(pieces), dtype=bool)
+            merging = np.zeros(len(encoded), dtype=bool)
             merging[owner[starts]] = True
             finished = ~merging[owner]
             done_owner.append(owner[finished])
@@ -257,11 +263,8 @@ class Tokenizer:
         owner, ids = np.concatenate(done_owner), np.concatenate(done_ids)
         order = np.argsort(owner, kind="stable")  # each piece's ids in order, pieces in order
         data = ids[order].astype(np.uintc).tobytes()
-        ends = np.cumsum(np.bincount(owner, minlength=len(pieces))) * np.dtype(np.uintc).itemsize
-        return {
-            piece: data[start:end]
-            for piece, start, end in zip(pieces, [0, *ends[:-1].tolist()], ends.tolist(), strict=True)
-        }
+        ends = np.cumsum(np.bincount(owner, minlength=len(encoded))) * np.dtype(np.uintc).itemsize
+        return [data[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)]
 
     def _merge_table(self) -> _MergeTable:
         """The merges as arrays (built on first use by `_encode_together`)."""
@@ -270,6 +273,12 @@ class Tokenizer:
                 max(self.vocab) + 1, self._rank_of, self._merged_id, self._byte_ids
             )
         return self._table
+
+    def _encode_many_bytes(self, strings: list[bytes]) -> list[tuple[int, ...]]:
+        """The ids of each byte string: `_encode_bytes` of each, computed together with arrays."""
+        if not strings:
+            return []
+        return [tuple(array("I", data)) for data in self._encode_together_bytes(strings)]
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """Ids of one pre-token (see `_encode_bytes`)."""
