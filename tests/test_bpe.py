@@ -308,6 +308,25 @@ def test_num_workers_do_not_change_the_result(tmp_path, monkeypatch, special):
     assert counts == Counter(pretokenize(path.read_text("utf-8"), specials))
 
 
+@pytest.mark.parametrize(("size", "workers"), [(300_000, 2), (300_000, 1), (300_000, 5), (3_000_000, 2)])
+def test_tasks_are_sized_by_the_input_and_the_workers(tmp_path, monkeypatch, size, workers):
+    # CHUNK_BYTES scaled down 10x: 300 KB stands for a 3 MB corpus, 3 MB for 30 MB.
+    monkeypatch.setattr(pretokenize_module, "CHUNK_BYTES", 100_000)
+    monkeypatch.setattr(pretokenize_module, "TASK_CHUNKS", 4)
+    path = write(tmp_path, "corpus.txt", varied_text(random.Random(3), size // 5, "<|endoftext|>"))
+    size = path.stat().st_size
+    tasks = pretokenize_module.plan_tasks(path, workers, ["<|endoftext|>"])
+    chunks = [chunk for task in tasks for chunk in task]
+    # the chunks tile the file, in order
+    assert chunks[0][0] == 0 and chunks[-1][1] == size and all(a[1] == b[0] for a, b in pairwise(chunks))
+    task_bytes = [task[-1][1] - task[0][0] for task in tasks]
+    # enough tasks for every worker to get several (a small corpus is not left on one core) ...
+    assert len(tasks) >= min(4 * workers, size // 1000)
+    # ... of about equal size, and never more than TASK_CHUNKS chunks of about CHUNK_BYTES each
+    assert max(task_bytes) <= 2 * min(task_bytes) + 2_000
+    assert max(map(len, tasks)) <= 4 and max(end - start for start, end in chunks) <= 100_000 + 2_000
+
+
 # --- the train-tokenizer stage and bad input --------------------------------------------------------
 
 

@@ -122,13 +122,22 @@ def tiktoken_encoding(tok: Tokenizer) -> tiktoken.Encoding:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tokenizer trained on ~300 KB of generated text, and the peers loaded with its merges."""
-    folder = tmp_path_factory.mktemp("tok")
-    corpus = folder / "train.txt"
+def trained_merges(tmp_path_factory):
+    """(vocab, merges) trained on ~300 KB of generated text."""
+    corpus = tmp_path_factory.mktemp("corpus") / "train.txt"
     corpus.write_text(make_text(random.Random(0), 300_000), "utf-8")
-    vocab, merges = train_bpe(corpus, 1500, SPECIALS, num_workers=1, progress=False)
-    tok = Tokenizer(vocab, merges, SPECIALS)
+    return train_bpe(corpus, 1500, SPECIALS, num_workers=1, progress=False)
+
+
+@pytest.fixture(scope="module", params=["tiktoken", "python"])
+def trained(request, trained_merges, tmp_path_factory):
+    """A tokenizer with the trained merges on each engine, and the peers loaded with its merges.
+
+    engine="tiktoken" raises unless the trained vocabulary passes the checks of tiktoken_engine.
+    """
+    folder = tmp_path_factory.mktemp("tok")
+    vocab, merges = trained_merges
+    tok = Tokenizer(vocab, merges, SPECIALS, engine=request.param)
     vocab_path, merges_path = write_gpt2_files(tok, folder)
     return (
         tok,
@@ -234,10 +243,10 @@ def test_one_character_special_token():
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_encode_iterable_equals_encode(trained, data):
+def test_encode_iterable_equals_encode(trained_merges, data):
     # special tokens with spaces inside can straddle a cut near the end of the buffer
     specials = [*SPECIALS, "q xyz", "a a"]
-    tok = Tokenizer(trained[0].vocab, trained[0].merges, specials)
+    tok = Tokenizer(*trained_merges, specials)
     parts = data.draw(
         st.lists(st.one_of(special_or_text, st.sampled_from(["q xy", "z", " ", "a", "q", "\n"])), max_size=40)
     )
@@ -253,9 +262,9 @@ def test_encode_iterable_equals_encode(trained, data):
         tokenizer_module.STREAM_CHUNK_CHARS = old
 
 
-def test_encode_iterable_keeps_special_tokens_that_span_pieces(trained, monkeypatch):
+def test_encode_iterable_keeps_special_tokens_that_span_pieces(trained_merges, monkeypatch):
     monkeypatch.setattr(tokenizer_module, "STREAM_CHUNK_CHARS", 8)
-    tok = Tokenizer(trained[0].vocab, trained[0].merges, ["q xyz"])
+    tok = Tokenizer(*trained_merges, ["q xyz"])
     # the first piece ends inside "q xyz"; cutting at its space would split the special token
     pieces = ["aaaaaaq xy", "z bbb", " q x", "yz"]
     ids = list(tok.encode_iterable(pieces))
@@ -310,7 +319,7 @@ def test_encoding_many_pre_tokens_together_matches_the_peers(trained, monkeypatc
     monkeypatch.setattr(tokenizer_module, "TOGETHER_PIECES", 1)
     rng = random.Random(100 + seed)
     for text in [make_text(rng, rng.randint(0, 3_000), ascii_only=seed % 2 == 0) for _ in range(10)]:
-        fresh = Tokenizer(tok.vocab, tok.merges, SPECIALS)
+        fresh = Tokenizer(tok.vocab, tok.merges, SPECIALS, engine="python")
         ids = fresh.encode(text)
         assert ids == enc.encode(text, allowed_special="all") == hf.encode(text).ids
 
@@ -325,9 +334,12 @@ def test_encoding_together_follows_the_ids_of_any_vocabulary(monkeypatch):
             vocab[len(vocab)] = a + b
     vocab[len(vocab)] = b"zz"
     texts = ["abcabc", "abc bc abcabcabc", "zza zzabc", "aaaa bbbb cccc", " abcab"] * 3
-    one_by_one = [Tokenizer(vocab, merges).encode(t) for t in texts]
+    one_by_one = [Tokenizer(vocab, merges, engine="python").encode(t) for t in texts]
+    auto = Tokenizer(vocab, merges)
+    assert [auto.encode(t) for t in texts] == one_by_one
+    assert auto.tiktoken_engine() is None and auto.tiktoken_refusal.startswith("C2:")  # two merges make abc
     monkeypatch.setattr(tokenizer_module, "TOGETHER_PIECES", 1)
-    together = Tokenizer(vocab, merges)
+    together = Tokenizer(vocab, merges, engine="python")
     assert [together.encode(t) for t in texts] == one_by_one
     assert together.decode(together.encode("abcabc abc")) == "abcabc abc"
 
@@ -336,7 +348,7 @@ def test_a_small_pre_token_cache_gives_the_same_ids(trained):
     # With room for 3 pre-tokens, every call starts a new cache generation and most pre-tokens are
     # encoded again or moved over from the old generation; the ids must not change.
     tok = trained[0]
-    small = Tokenizer(tok.vocab, tok.merges, SPECIALS, cache_size=3)
+    small = Tokenizer(tok.vocab, tok.merges, SPECIALS, cache_size=3, engine="python")
     rng = random.Random(6)
     texts = [make_text(rng, 2_000, specials=SPECIALS) for _ in range(20)]
     assert [small.encode(t) for t in texts + texts] == [tok.encode(t) for t in texts + texts]

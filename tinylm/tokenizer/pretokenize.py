@@ -55,9 +55,11 @@ _WHITESPACE_SPLIT_BYTES = regex.compile(_WHITESPACE_SPLIT.encode("ascii"))
 
 # Text is read and decoded this many bytes at a time (bounds a worker's memory for the text).
 CHUNK_BYTES = 1 << 20
-# Counting: a task counts about this many chunks into one Counter and returns it. Fewer, larger
+# Counting: a task counts at most this many chunks into one Counter and returns it. Fewer, larger
 # results mean less pickling and merging in the main process, which runs beside the workers.
 TASK_CHUNKS = 64
+# ... and each worker gets at least this many tasks, so that all finish at about the same time.
+TASKS_PER_WORKER = 4
 
 
 def default_num_workers() -> int:
@@ -261,18 +263,18 @@ def count_pretokens(
     """How often each pre-token occurs in a UTF-8 file, using `num_workers` processes.
 
     The file is read chunk by chunk (chunks end at safe splits), so memory grows with the number of
-    distinct pre-tokens, not with the file. Chunks are grouped into tasks of about TASK_CHUNKS (at
-    least four tasks per worker, for balance); each task returns one Counter. The result does not
-    depend on `num_workers`.
+    distinct pre-tokens, not with the file. Chunks are grouped into tasks sized by the file and the
+    workers (`plan_tasks`); each task returns one Counter. The result does not depend on
+    `num_workers`.
     """
     path = check_readable(path)
     special_tokens = check_special_tokens(special_tokens)
     num_workers = num_workers or default_num_workers()
     size = os.path.getsize(path)
-    chunks = list(pairwise(find_chunk_boundaries(path, max(num_workers, -(-size // CHUNK_BYTES)), special_tokens)))
-    num_tasks = min(len(chunks), max(4 * num_workers, -(-len(chunks) // TASK_CHUNKS)))
-    tasks = [(str(path), chunks[i * len(chunks) // num_tasks : (i + 1) * len(chunks) // num_tasks],
-              special_tokens, errors) for i in range(num_tasks)]  # fmt: skip
+    tasks = [
+        (str(path), chunks, special_tokens, errors)
+        for chunks in plan_tasks(path, num_workers, special_tokens)
+    ]
 
     total: Counter = Counter()
     replaced = 0
@@ -288,6 +290,23 @@ def count_pretokens(
     if replaced:
         log.warning("%s: replaced %d invalid UTF-8 bytes with U+FFFD", path, replaced)
     return total
+
+
+def plan_tasks(path: str | os.PathLike, num_workers: int, special_tokens: Sequence[str] = ()) -> list[list]:
+    """Cut a file into counting tasks, each a list of (start, end) chunks ending at safe splits.
+
+    The task size follows the input and the workers: at least TASKS_PER_WORKER tasks per worker (so
+    that the workers finish together, also for a file of a few MB), and at most TASK_CHUNKS chunks
+    of CHUNK_BYTES per task (fewer, larger results for the main process to add up). A chunk is at
+    most CHUNK_BYTES, smaller when the file is too small to give every task one of that size.
+    """
+    size = os.path.getsize(path)
+    num_chunks = max(-(-size // CHUNK_BYTES), TASKS_PER_WORKER * num_workers)
+    chunks = list(pairwise(find_chunk_boundaries(path, num_chunks, special_tokens)))
+    num_tasks = min(len(chunks), max(TASKS_PER_WORKER * num_workers, -(-len(chunks) // TASK_CHUNKS)))
+    return [
+        chunks[i * len(chunks) // num_tasks : (i + 1) * len(chunks) // num_tasks] for i in range(num_tasks)
+    ]
 
 
 def map_in_processes(fn, tasks: list, num_workers: int, initializer=None, initargs: tuple = ()) -> Iterable:

@@ -4,9 +4,16 @@ Encoding splits the text on special tokens (longest match wins), cuts the rest i
 the GPT-2 regex, and turns each pre-token into ids by applying merges in order of rank (the order in
 which training created them): repeatedly merge every occurrence of the adjacent pair with the lowest
 rank. This is the algorithm of GPT-2, Hugging Face `tokenizers` and (for BPE-trained vocabularies)
-tiktoken. Pre-tokens repeat a lot, so their ids are cached, as the bytes of an array of ids: the
-ids of a whole text are then one `bytes.join`, with no Python int per token. The pre-tokens of a
-text that miss the cache are encoded first, all at once with arrays when there are many.
+tiktoken.
+
+Two engines give the same ids (`engine=`):
+- "python", the readable reference: pre-tokens repeat a lot, so their ids are cached, as the bytes
+  of an array of ids: the ids of a whole text are then one `bytes.join`, with no Python int per
+  token. The pre-tokens of a text that miss the cache are encoded first, all at once with arrays
+  when there are many.
+- "tiktoken": tiktoken's compiled core with our ranks, used only after `tiktoken_engine` has checked
+  that it gives exactly the reference's ids on every text (true of every vocabulary our trainer
+  makes). "auto" (the default) takes it where that check passes, the reference elsewhere.
 
 Files:
 - `save` / `load`: one JSON file (`tokenizer.json`, format "tinylm.tokenizer", version 1). Token
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import tiktoken
 
 from tinylm.io import atomic_write_text
 from tinylm.tokenizer.pretokenize import (
@@ -38,6 +46,7 @@ from tinylm.tokenizer.pretokenize import (
     special_token_regex,
     split_on_special,
 )
+from tinylm.tokenizer.tiktoken_engine import specials_agree, tiktoken_encoding
 
 FORMAT = "tinylm.tokenizer"
 FORMAT_VERSION = 1
@@ -46,6 +55,7 @@ FORMAT_VERSION = 1
 STREAM_CHUNK_CHARS = 1 << 16
 # From this many new pre-tokens on, they are encoded together with arrays (`_encode_together`).
 TOGETHER_PIECES = 256
+ENGINES = ("auto", "tiktoken", "python")
 
 
 class Tokenizer:
@@ -54,6 +64,11 @@ class Tokenizer:
     Special tokens missing from `vocab` are added with new ids. Every merge must join two tokens of
     the vocabulary into a third one; ValueError otherwise. The ids of up to 2 * `cache_size`
     distinct pre-tokens are remembered (see `_PieceCache`), which bounds the memory of encoding.
+
+    `engine` chooses how ordinary text is encoded (see the module docstring): "python" always uses
+    the reference; "tiktoken" uses tiktoken's core and raises ValueError (naming the failed
+    condition) on first use if the vocabulary cannot be expressed in it; "auto" uses tiktoken where
+    it can and the reference elsewhere. The ids are the same whatever the engine.
     """
 
     def __init__(
@@ -62,7 +77,11 @@ class Tokenizer:
         merges: Sequence[tuple[bytes, bytes]],
         special_tokens: Sequence[str] | None = None,
         cache_size: int = 1 << 19,
+        engine: str = "auto",
     ):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.engine = engine
         self.vocab = dict(vocab)
         self.merges = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_tokens = check_special_tokens(special_tokens)
@@ -98,8 +117,13 @@ class Tokenizer:
 
         self._special_re = special_token_regex(self.special_tokens)
         self._special_bytes = {t: array("I", [i]).tobytes() for t, i in self.special_ids.items()}
+        self._cache_size = cache_size
         self._cache = _PieceCache(cache_size)
         self._table: _MergeTable | None = None
+        self._tiktoken: tiktoken.Encoding | None = None
+        self._tiktoken_checked = False
+        self._tiktoken_splits_specials = specials_agree(self.special_tokens)
+        self.tiktoken_refusal = ""  # why tiktoken cannot be the engine (after the check)
 
     # --- encoding -----------------------------------------------------------------------------
 
@@ -108,11 +132,45 @@ class Tokenizer:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """`encode(text)` as a 1-D array of C unsigned ints (no Python int per token).
+        """`encode(text)` as a 1-D array of C unsigned ints (no Python int per token)."""
+        encoding = self.tiktoken_engine()
+        if encoding is None:
+            return self.encode_array_reference(text)
+        if self._tiktoken_splits_specials:
+            return encoding.encode_to_numpy(text, allowed_special="all").astype(np.uintc, copy=False)
+        parts = split_on_special(text, self._special_re)
+        out = [np.zeros(0, dtype=np.uintc)]
+        for i, part in enumerate(parts):
+            if i % 2:
+                out.append(np.array([self.special_ids[part]], dtype=np.uintc))
+            elif part:
+                out.append(np.array(encoding.encode_ordinary(part), dtype=np.uintc))
+        return np.concatenate(out)
 
-        The ids of each distinct pre-token are kept in the cache as the bytes of such an array, so
-        that the ids of the whole text are one `bytes.join`; the pre-tokens not in the cache are
-        encoded first.
+    def tiktoken_engine(self) -> tiktoken.Encoding | None:
+        """The tiktoken Encoding that encodes ordinary text, or None where the reference does it.
+
+        Built and checked (`tiktoken_engine.tiktoken_encoding`) on first use; ValueError with
+        engine="tiktoken" if the vocabulary cannot be expressed in tiktoken.
+        """
+        if self.engine == "python":
+            return None
+        if not self._tiktoken_checked:
+            self._tiktoken, reason = tiktoken_encoding(
+                self.vocab, self.merges, self.special_ids, self._encode_many_bytes
+            )
+            self._tiktoken_checked = True
+            self.tiktoken_refusal = reason
+        if self._tiktoken is None and self.engine == "tiktoken":
+            raise ValueError(f"this vocabulary cannot be encoded by tiktoken: {self.tiktoken_refusal}")
+        return self._tiktoken
+
+    def encode_array_reference(self, text: str) -> np.ndarray:
+        """`encode_array` with the readable reference engine, whatever `engine` says.
+
+        The ids of each distinct pre-token are kept in the cache as the bytes of an array of C
+        unsigned ints, so that the ids of the whole text are one `bytes.join`; the pre-tokens not
+        in the cache are encoded first.
         """
         parts = split_on_special(text, self._special_re)
         pieces = [find_pretokens(part) if i % 2 == 0 and part else [] for i, part in enumerate(parts)]
@@ -159,7 +217,14 @@ class Tokenizer:
         return self._encode_together(pieces)
 
     def _encode_together(self, pieces: list[str]) -> dict[str, bytes]:
-        """`_encode_piece` for many pre-tokens at once, with arrays: one merge per piece per round.
+        """`_encode_piece` for many pre-tokens at once (see `_encode_together_bytes`)."""
+        encoded = self._encode_together_bytes([piece.encode("utf-8") for piece in pieces])
+        return dict(zip(pieces, encoded, strict=True))
+
+    def _encode_together_bytes(self, encoded: list[bytes]) -> list[bytes]:
+        """`_encode_bytes` for many byte strings at once, with arrays: one merge per string per round.
+
+        Returns the ids of each as the bytes of an array of C unsigned ints.
 
         All pieces sit in one array of ids. Each round looks up the rank of every adjacent pair
         within a piece, and in every piece merges the leftmost pair of lowest rank, exactly the
@@ -167,15 +232,14 @@ class Tokenizer:
         arrays. The rounds are as many as the most merges one piece needs, not one per merge.
         """
         table = self._merge_table()
-        encoded = [piece.encode("utf-8") for piece in pieces]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         ids = table.byte_ids[np.frombuffer(b"".join(encoded), dtype=np.uint8)]
-        owner = np.repeat(np.arange(len(pieces)), lengths)  # the piece of each position
+        owner = np.repeat(np.arange(len(encoded)), lengths)  # the piece of each position
         rank = table.rank_of_pairs(ids, owner, np.arange(len(ids)))  # of the pair starting there
         done_owner, done_ids = [], []
         while len(ids):
             starts = np.flatnonzero(rank < _NO_MERGE)
-            merging = np.zeros(len(pieces), dtype=bool)
+            merging = np.zeros(len(encoded), dtype=bool)
             merging[owner[starts]] = True
             finished = ~merging[owner]
             done_owner.append(owner[finished])
@@ -199,24 +263,36 @@ class Tokenizer:
         owner, ids = np.concatenate(done_owner), np.concatenate(done_ids)
         order = np.argsort(owner, kind="stable")  # each piece's ids in order, pieces in order
         data = ids[order].astype(np.uintc).tobytes()
-        ends = np.cumsum(np.bincount(owner, minlength=len(pieces))) * np.dtype(np.uintc).itemsize
-        return {piece: data[start:end] for piece, start, end in zip(pieces, [0, *ends[:-1].tolist()], ends.tolist(), strict=True)}
+        ends = np.cumsum(np.bincount(owner, minlength=len(encoded))) * np.dtype(np.uintc).itemsize
+        return [data[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)]
 
     def _merge_table(self) -> _MergeTable:
         """The merges as arrays (built on first use by `_encode_together`)."""
         if self._table is None:
-            self._table = _MergeTable.build(max(self.vocab) + 1, self._rank_of, self._merged_id, self._byte_ids)
+            self._table = _MergeTable.build(
+                max(self.vocab) + 1, self._rank_of, self._merged_id, self._byte_ids
+            )
         return self._table
 
+    def _encode_many_bytes(self, strings: list[bytes]) -> list[tuple[int, ...]]:
+        """The ids of each byte string: `_encode_bytes` of each, computed together with arrays."""
+        if not strings:
+            return []
+        return [tuple(array("I", data)) for data in self._encode_together_bytes(strings)]
+
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        """Ids of one pre-token: merge the adjacent pair of lowest rank until no pair has a merge.
+        """Ids of one pre-token (see `_encode_bytes`)."""
+        return self._encode_bytes(piece.encode("utf-8"))
+
+    def _encode_bytes(self, data: bytes) -> tuple[int, ...]:
+        """Ids of the bytes of a pre-token: merge the adjacent pair of lowest rank until none has a merge.
 
         `ranks[i]` is the rank of the pair (ids[i], ids[i + 1]); a merge at i changes only the
         ranks of its two neighbours. Merging the leftmost best pair one at a time gives the same
         result as merging all its occurrences left to right at once (as training does).
         """
         rank_of, merged_id, no_merge = self._rank_of.get, self._merged_id, _NO_MERGE
-        ids = list(map(self._byte_ids.__getitem__, piece.encode("utf-8")))
+        ids = list(map(self._byte_ids.__getitem__, data))
         ranks = list(map(rank_of, pairwise(ids), repeat(no_merge)))
         while ranks:
             best = min(ranks)
@@ -322,10 +398,12 @@ class Tokenizer:
 
     # Workers receive a tokenizer by pickling: send the definition, rebuild the tables there.
     def __getstate__(self) -> dict:
-        return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens}
+        return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens,
+                "cache_size": self._cache_size, "engine": self.engine}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"])
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"], state.get("cache_size", 1 << 19),
+                      state.get("engine", "auto"))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.vocab)
@@ -379,17 +457,27 @@ class _MergeTable(NamedTuple):
         slot_ranks = np.zeros(1 << bits, dtype=np.int64)
         keys = np.array([a * size + b for a, b in rank_of] or [0], dtype=np.int64)[: len(rank_of)]
         mask = (1 << bits) - 1
-        for key, slot, rank in zip(keys.tolist(), cls._slots(keys, bits).tolist(), rank_of.values(), strict=True):
+        for key, slot, rank in zip(
+            keys.tolist(), cls._slots(keys, bits).tolist(), rank_of.values(), strict=True
+        ):
             while slot_keys[slot] != -1:  # linear probing
                 slot = (slot + 1) & mask
             slot_keys[slot], slot_ranks[slot] = key, rank
-        return cls(size, slot_keys, slot_ranks, bits, np.array(merged or [0], dtype=np.int64),
-                   np.array(byte_ids, dtype=np.int64))
+        return cls(
+            size,
+            slot_keys,
+            slot_ranks,
+            bits,
+            np.array(merged or [0], dtype=np.int64),
+            np.array(byte_ids, dtype=np.int64),
+        )
 
     @staticmethod
     def _slots(keys: np.ndarray, bits: int) -> np.ndarray:
         """Fibonacci hashing: the top `bits` bits of key * 2**64 / golden ratio."""
-        return ((keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.int64)
+        return ((keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(
+            np.int64
+        )
 
     def rank_of_pairs(self, ids: np.ndarray, owner: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """The merge rank of the pair (ids[p], ids[p + 1]) for p in `starts`; _NO_MERGE where the
