@@ -112,7 +112,7 @@ def zero1_matches_single_process(ctx, out_dir: str) -> None:
                 if name in storage:
                     assert p.grad.data_ptr() == storage[name], f"step {step}: the gradient of {name} moved"
                 storage[name] = p.grad.data_ptr()
-        norm = optimizer.clip_grad_norm_(0.05)
+        norm = optimizer.clip_grad_norm_(model.parameters(), 0.05)
         ref_norm = gradient_clip(reference.parameters(), 0.05)
         torch.testing.assert_close(norm, ref_norm.float(), rtol=1e-6, atol=0)
         optimizer.step()
@@ -148,7 +148,7 @@ def traffic_of_one_step(ctx, out_dir: str) -> None:
             if name == "ddp":
                 gradient_clip(model.parameters(), 1.0)
             else:
-                optimizer.clip_grad_norm_(1.0)
+                optimizer.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         result[name] = {"sent": counter.sent, "calls": counter.calls, "total": counter.total}
     result["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())

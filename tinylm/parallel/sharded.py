@@ -2,7 +2,7 @@
 
     opt = ShardedOptimizer(model.parameters(), AdamW, lr=1e-3, weight_decay=0.1)
     ddp = DDP(model, reduce_to=opt.owner)     # each gradient is reduced to its owner only
-    ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(1.0); opt.step(); ddp.zero_grad()
+    ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(model.parameters(), 1.0); opt.step(); ddp.zero_grad()
 
 Every rank holds all parameters. Each needs the averaged gradients of the parameters it owns only:
 with `DDP(reduce_to=opt.owner)` each gradient bucket is reduced to the owners of its parameters,
@@ -129,17 +129,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [p for p in self._params() if self.owner[p] == self.rank]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-        """Collective: clip by the global gradient norm as `nn_utils.gradient_clip` does, each gradient
-        read on its owner only; returns the norm before clipping (the same on every rank).
+    def clip_grad_norm_(self, parameters, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        """Collective: clip by the global gradient norm exactly as `nn_utils.gradient_clip(parameters, ...)`
+        does, each gradient read on its owner only; returns the norm before clipping (the same on every rank).
 
-        Each owner computes the squared norms of its parameters' gradients into a vector over all
-        parameters (zeros elsewhere); one all-reduce of that vector (a few bytes per parameter) gives
-        every rank all of them, summed in the same order whatever the world size.
+        Each owner writes the squared norms of its parameters' gradients into a vector over `parameters`
+        (zeros elsewhere, and for a parameter without a gradient); one all-reduce of that vector (4 bytes
+        per parameter tensor) gives every rank all of them, exactly (x + 0 = x), so the norm is summed
+        in the order of `parameters` at any world size, bit for bit as without sharding.
         """
-        params = self._params()
+        params = list(parameters)
         squares = torch.zeros(len(params), dtype=torch.float32, device=params[0].device)
-        mine = [i for i, p in enumerate(params) if self.owner[p] == self.rank and p.grad is not None]
+        mine = [i for i, p in enumerate(params) if self.owner.get(p) == self.rank and p.grad is not None]
         grads = [params[i].grad for i in mine]
         if grads:
             squares[mine] = squared_norms(grads)

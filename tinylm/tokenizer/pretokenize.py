@@ -34,6 +34,18 @@ log = logging.getLogger(__name__)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_REGEX = regex.compile(GPT2_PATTERN)
 
+# A letter first assigned in each Unicode version: the newest one that `regex` calls a letter tells
+# which tables it was built with. Pre-tokens depend on them (\p{L}, \p{N}), so token ids do too.
+_NEW_LETTERS = [("17.0", "\uA7CE"), ("16.0", "\u1C89"), ("15.1", "\U0002EBF0"), ("15.0", "\U00011F04")]
+
+
+def unicode_version() -> str:
+    """The Unicode version of the installed `regex` module's tables ("15.0" to "17.0", or "older")."""
+    for version, letter in _NEW_LETTERS:
+        if regex.match(r"\p{L}", letter):
+            return version
+    return "older"
+
 # The same pattern spelled for ASCII-only text, where letters are [A-Za-z], numbers [0-9], and the
 # `regex` module's \s is exactly these six characters (unlike the standard `re`, which also counts
 # \x1c-\x1f). The standard `re` engine runs it about twice as fast; possessive quantifiers (++)

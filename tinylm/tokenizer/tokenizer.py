@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import regex
 import tiktoken
 
 from tinylm.io import atomic_write_text
@@ -45,6 +47,7 @@ from tinylm.tokenizer.pretokenize import (
     find_split,
     special_token_regex,
     split_on_special,
+    unicode_version,
 )
 from tinylm.tokenizer.tiktoken_engine import specials_agree, tiktoken_encoding
 
@@ -334,6 +337,7 @@ class Tokenizer:
         merges = ",\n".join(f"  [{dumps(to_text(a))}, {dumps(to_text(b))}]" for a, b in self.merges)
         text = (
             f'{{\n "format": {dumps(FORMAT)},\n "version": {FORMAT_VERSION},\n'
+            f' "unicode_version": {dumps(unicode_version())},\n'
             f' "special_tokens": {dumps(self.special_tokens)},\n'
             f' "vocab": {{\n{vocab}\n }},\n "merges": [\n{merges}\n ]\n}}\n'
         )
@@ -355,6 +359,11 @@ class Tokenizer:
             raise ValueError(
                 f"{path}: unsupported {FORMAT} version {data.get('version')!r} (expected {FORMAT_VERSION})"
             )
+        saved_unicode = data.get("unicode_version")
+        if saved_unicode is not None and saved_unicode != unicode_version():
+            print(f"warning: {path} was trained with the Unicode {saved_unicode} tables of `regex`; the installed "
+                  f"regex {regex.__version__} has Unicode {unicode_version()}, so text with characters assigned "
+                  f"in between may be split (and encoded) differently", file=sys.stderr)
         try:
             vocab = {int(i): _text_to_bytes(t) for i, t in data["vocab"].items()}
             merges = [(_text_to_bytes(a), _text_to_bytes(b)) for a, b in data["merges"]]

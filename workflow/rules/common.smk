@@ -2,6 +2,7 @@ import json
 from dataclasses import asdict
 
 from tinylm.config import DEFAULT_RUN, data_hash, run_hash
+from tinylm.corpus.readers import matching_files
 
 # Where artifacts live. The main config is the run "default": its files are where they always were
 # (results/checkpoints, results/eval.csv, ...); a named run r writes results/runs/r/... instead.
@@ -51,6 +52,16 @@ def data_json(*names):
 def data_file(path):
     """A run's data file, e.g. data_file("tokens/train.npy"), as a rule input."""
     return lambda wildcards: f"results/{data_dir(run_cfg(wildcards))}{path}"
+
+
+def corpus_files(wildcards):
+    """The local files of a `files` corpus, glob patterns expanded: the corpus rule's inputs, so that editing,
+    adding or removing one reruns the corpus stage and everything after it. A path that does not exist is
+    left out here, for the corpus stage to refuse with a message naming its key."""
+    corpus = DATA_OF[wildcards.data_dir].corpus
+    if corpus.source != "files":
+        return []
+    return [str(path) for path in matching_files([*corpus.train_files, *corpus.valid_files])]
 
 
 def workers(section):

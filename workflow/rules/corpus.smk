@@ -1,4 +1,6 @@
 rule corpus:
+    input:
+        corpus_files,
     output:
         train="results/{data_dir}corpus/train.txt",
         valid="results/{data_dir}corpus/valid.txt",
