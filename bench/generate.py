@@ -61,11 +61,15 @@ def bench_config(name: str, new_tokens: int, prompt_len: int, repeats: int) -> l
     torch.manual_seed(0)
     model = Transformer(**cfg).eval()
     hf = exported_hf_model(model)
-    prompt = torch.randint(cfg["vocab_size"], (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        cfg["vocab_size"], (prompt_len,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     C = cfg["context_length"]
     assert prompt_len + new_tokens <= C, "stay inside the context: transformers does not crop"
 
-    def run(path: str, temperature: float, top_p: float, new_tokens: int = new_tokens) -> tuple[float, list[int]]:
+    def run(
+        path: str, temperature: float, top_p: float, new_tokens: int = new_tokens
+    ) -> tuple[float, list[int]]:
         generator = torch.Generator().manual_seed(0)
         start = time.perf_counter()
         if path == "cached":
@@ -98,12 +102,16 @@ def bench_config(name: str, new_tokens: int, prompt_len: int, repeats: int) -> l
             assert ids["cached"] == ids["recompute"], "sampled ids of the two tinylm paths differ"
         for path in paths:
             seconds = statistics.median(times[path])
-            rows.append(dict(config=name, mode=mode, path=path, seconds=seconds, tokens_per_s=new_tokens / seconds))
+            rows.append(
+                dict(config=name, mode=mode, path=path, seconds=seconds, tokens_per_s=new_tokens / seconds)
+            )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=8)
@@ -115,26 +123,36 @@ def main() -> None:
     import transformers
 
     load_before = os.getloadavg()
-    rows = [row for name in args.configs for row in bench_config(name, args.new_tokens, args.prompt_len, args.repeats)]
+    rows = [
+        row
+        for name in args.configs
+        for row in bench_config(name, args.new_tokens, args.prompt_len, args.repeats)
+    ]
     load_after = os.getloadavg()
 
-    print(f"{args.new_tokens} new tokens after a {args.prompt_len}-token prompt, median of {args.repeats} "
-          f"interleaved runs after a 10-token warm-up; float32, CPU, {args.threads} thread(s); torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, Python {platform.python_version()}; load average "
-          f"before/after: {' '.join(f'{x:.2f}' for x in load_before)} / {' '.join(f'{x:.2f}' for x in load_after)}.")
+    print(
+        f"{args.new_tokens} new tokens after a {args.prompt_len}-token prompt, median of {args.repeats} "
+        f"interleaved runs after a 10-token warm-up; float32, CPU, {args.threads} thread(s); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, Python {platform.python_version()}; load average "
+        f"before/after: {' '.join(f'{x:.2f}' for x in load_before)} / {' '.join(f'{x:.2f}' for x in load_after)}."
+    )
     print()
     print("| config | decoding | path | seconds | new tokens/s | cached vs this |")
     print("|---|---|---|---:|---:|---:|")
     by_key = {(r["config"], r["mode"], r["path"]): r for r in rows}
     for r in rows:
         cached = by_key[(r["config"], r["mode"], "cached")]
-        print(f"| {r['config']} | {r['mode']} | {r['path']} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
-              f"{cached['tokens_per_s'] / r['tokens_per_s']:.2f}x |")
+        print(
+            f"| {r['config']} | {r['mode']} | {r['path']} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{cached['tokens_per_s'] / r['tokens_per_s']:.2f}x |"
+        )
     print()
     for name in args.configs:
         for mode in SAMPLING:
             c, f, h = (by_key[(name, mode, p)]["tokens_per_s"] for p in ("cached", "recompute", "hf"))
-            print(f"- {name}, {mode}: cached / recompute **{c / f:.2f}x**, cached / transformers **{c / h:.2f}x**")
+            print(
+                f"- {name}, {mode}: cached / recompute **{c / f:.2f}x**, cached / transformers **{c / h:.2f}x**"
+            )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,12 @@ def build(impl: str, shape: dict, device: torch.device):
     model = FusedNativeTransformer(**shape).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     return model, optimizer, lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
@@ -93,8 +97,9 @@ class FusedNativeTransformer(torch.nn.Module):
 
         self.embed = torch.nn.Embedding(vocab_size, d_model)
         rope = NativeRoPE(rope_theta, d_model // num_heads, context_length)
-        self.layers = torch.nn.ModuleList(FusedNativeBlock(d_model, num_heads, d_ff, rope)
-                                          for _ in range(num_layers))
+        self.layers = torch.nn.ModuleList(
+            FusedNativeBlock(d_model, num_heads, d_ff, rope) for _ in range(num_layers)
+        )
         self.ln_final = torch.nn.RMSNorm(d_model, eps=1e-5)
         self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
 
@@ -155,17 +160,29 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> 
     tok_s = tokens / statistics.median(times)
     peak = peak_flops(device, dtype, tf32=not deterministic)
     utilisation = mfu(tok_s, flops_per_token(shape), peak, 1)
-    return {"variant": name, "tokens_per_s": tok_s, "mfu": utilisation, "peak_memory_mib": peak_memory_mib(device),
-            "warmup_s": warmup_s, "step_s": times,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    return {
+        "variant": name,
+        "tokens_per_s": tok_s,
+        "mfu": utilisation,
+        "peak_memory_mib": peak_memory_mib(device),
+        "warmup_s": warmup_s,
+        "step_s": times,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shape, 3 steps: checks the script runs")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16 x 1024 tokens)")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default 16 x 1024 tokens)"
+    )
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps first (compilation happens here)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, help="write the raw figures as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -180,8 +197,18 @@ def main() -> None:
 
     results = []
     for name in args.variants:
-        cmd = [sys.executable, __file__, "--worker", name, "--batch-size", str(batch_size), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--batch-size",
+            str(batch_size),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
@@ -191,17 +218,21 @@ def main() -> None:
 
     by_name = {r["variant"]: r for r in results}
     device = results[0]["device"] if results else "?"
-    print(f"Training step at {'smoke' if args.smoke else 'GPT-2-small'} shape {shape}, batch {batch_size} x "
-          f"{shape['context_length']} tokens, bf16 autocast, on {device}, torch {torch.__version__}; median of "
-          f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n")
+    print(
+        f"Training step at {'smoke' if args.smoke else 'GPT-2-small'} shape {shape}, batch {batch_size} x "
+        f"{shape['context_length']} tokens, bf16 autocast, on {device}, torch {torch.__version__}; median of "
+        f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n"
+    )
     print("| variant | tokens/s | vs native (same compile) | MFU | peak memory MiB | warm-up s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
         native = by_name.get("native+compile" if "compile" in r["variant"] else "native")
         ratio = f"{r['tokens_per_s'] / native['tokens_per_s']:.2f}x" if native else "-"
         utilisation = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
-              f"{r['peak_memory_mib']:,.0f} | {r['warmup_s']:.1f} |")
+        print(
+            f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
+            f"{r['peak_memory_mib']:,.0f} | {r['warmup_s']:.1f} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -33,8 +33,15 @@ from tinylm import state as state_lib
 from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer
 
-LARGE = dict(vocab_size=32000, context_length=64, d_model=768, num_layers=8, num_heads=12, d_ff=2048,
-             rope_theta=10000.0)
+LARGE = dict(
+    vocab_size=32000,
+    context_length=64,
+    d_model=768,
+    num_layers=8,
+    num_heads=12,
+    d_ff=2048,
+    rope_theta=10000.0,
+)
 EOT = "<|endoftext|>"
 PEAK = "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"
 
@@ -44,11 +51,23 @@ def make_checkpoints(folder: Path) -> float:
     torch.manual_seed(0)
     model = Transformer(**LARGE)
     for step in (1, 2):
-        moments = {i: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
-                       "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}
-        payload = {"model": model.state_dict(), "optimizer": {"state": moments, "param_groups": [
-            {"lr": 1e-3, "params": list(moments)}]}, "iteration": step, "model_config": LARGE}
-        state_lib.commit(folder / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10)
+        moments = {
+            i: {
+                "step": torch.tensor(float(step)),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+            for i, p in enumerate(model.parameters())
+        }
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3, "params": list(moments)}]},
+            "iteration": step,
+            "model_config": LARGE,
+        }
+        state_lib.commit(
+            folder / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
+        )
     state_lib.publish(folder / "state", folder / "ckpt")
     vocab = {i: bytes([i]) for i in range(256)}
     vocab[256] = EOT.encode()
@@ -64,8 +83,11 @@ def make_checkpoints(folder: Path) -> float:
 def measure(code: str) -> tuple[float, float]:
     """(peak RSS MiB, seconds) of `python -c code` in a fresh process."""
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", f"import sys\ntry:\n{code}\nfinally:\n    {PEAK}"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys\ntry:\n{code}\nfinally:\n    {PEAK}"],
+        capture_output=True,
+        text=True,
+    )
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
@@ -73,28 +95,52 @@ def measure(code: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, default=None, help="where to write the checkpoints (a temp dir)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--folder", type=Path, default=None, help="where to write the checkpoints (a temp dir)"
+    )
     args = parser.parse_args()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="tinylm-inference-"))
     try:
         weights_mib = make_checkpoints(folder)
-        argv = ["tinylm", "evaluate", "--config", str(folder / "config.yaml"), "--tokenizer",
-                str(folder / "tokenizer.json"), "--checkpoint-dir", str(folder / "ckpt"), "--valid-tokens",
-                str(folder / "valid.npy"), "--output", str(folder / "eval.csv"), "--plot", str(folder / "eval.png"),
-                "--cache-dir", str(folder / "cache")]
+        argv = [
+            "tinylm",
+            "evaluate",
+            "--config",
+            str(folder / "config.yaml"),
+            "--tokenizer",
+            str(folder / "tokenizer.json"),
+            "--checkpoint-dir",
+            str(folder / "ckpt"),
+            "--valid-tokens",
+            str(folder / "valid.npy"),
+            "--output",
+            str(folder / "eval.csv"),
+            "--plot",
+            str(folder / "eval.png"),
+            "--cache-dir",
+            str(folder / "cache"),
+        ]
         cli = f"    import runpy; sys.argv = {argv!r}; runpy.run_module('tinylm', run_name='__main__')"
-        whole = ("    import torch; from tinylm import state; from tinylm.model import Transformer\n"
-                 f"    payload, _ = state.load_verified({str(folder / 'ckpt' / 'step_2.pt')!r})\n"
-                 "    model = Transformer(**payload['model_config']); model.load_state_dict(payload['model'])")
-        rows = [("evaluate, 2 checkpoints, empty cache", *measure(cli)),
-                ("evaluate again, both cached", *measure(cli)),
-                ("load one full checkpoint whole (the way before)", *measure(whole))]
+        whole = (
+            "    import torch; from tinylm import state; from tinylm.model import Transformer\n"
+            f"    payload, _ = state.load_verified({str(folder / 'ckpt' / 'step_2.pt')!r})\n"
+            "    model = Transformer(**payload['model_config']); model.load_state_dict(payload['model'])"
+        )
+        rows = [
+            ("evaluate, 2 checkpoints, empty cache", *measure(cli)),
+            ("evaluate again, both cached", *measure(cli)),
+            ("load one full checkpoint whole (the way before)", *measure(whole)),
+        ]
     finally:
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"Checkpoints of a {LARGE} model: {weights_mib:,.0f} MiB of float32 weights; the newest holds its "
-          f"AdamW moments too. torch {torch.__version__}; each row a fresh process.\n")
+    print(
+        f"Checkpoints of a {LARGE} model: {weights_mib:,.0f} MiB of float32 weights; the newest holds its "
+        f"AdamW moments too. torch {torch.__version__}; each row a fresh process.\n"
+    )
     print("| run | peak RSS (MiB) | peak - weights (MiB) | wall time (s) |")
     print("|---|---:|---:|---:|")
     for name, peak, seconds in rows:

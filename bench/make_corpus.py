@@ -66,7 +66,9 @@ naïve façade déjà piñata jalapeño über
 ONSETS = "b c d f g h j k l m n p r s t v w y z ch sh th st tr br pl".split()
 VOWELS = "a e i o u ea oo ai".split()
 CODAS = ["", "n", "r", "s", "t", "l", "nd", "ck"]
-SYLLABLES = sorted({o + v + c for o, v, c in itertools.product(ONSETS, VOWELS, CODAS)} - {"fuck", "shit", "cunt"})
+SYLLABLES = sorted(
+    {o + v + c for o, v, c in itertools.product(ONSETS, VOWELS, CODAS)} - {"fuck", "shit", "cunt"}
+)
 LETTERS = list("ABCDEFGHIJKLMNOPRSTUVW")
 
 # (separator, probability) after a word. Separators whose first character is . ! or ? end a sentence.
@@ -138,7 +140,9 @@ class Profile:
         separators = STORY_SEPARATORS if stories else WEB_SEPARATORS
         self.separators = table.add([s for s, _ in separators])
         self.separator_p = np.array([p for _, p in separators]) / sum(p for _, p in separators)
-        self.sentence_end = np.array([s.split()[0][0] in ".!?" if s.split() else False for s, _ in separators])
+        self.sentence_end = np.array(
+            [s.split()[0][0] in ".!?" if s.split() else False for s, _ in separators]
+        )
         ending = [s.split()[0] if self.sentence_end[i] else "." for i, (s, _) in enumerate(separators)]
         self.document_end = table.add(ending)  # the last document of a batch
         self.document_end_then_next = table.add([e + SEPARATOR for e in ending])
@@ -229,8 +233,15 @@ class Profile:
         https, com = self.link_parts
         words = self.words[self._zipf(n, 5000)]
         paths = self.words[self._zipf(n, len(self.words))]
-        return self._columns(n, np.full(n, https), words, np.full(n, com), paths, np.full(n, self.symbols["/"]),
-                             self._pick(self.integers, n))
+        return self._columns(
+            n,
+            np.full(n, https),
+            words,
+            np.full(n, com),
+            paths,
+            np.full(n, self.symbols["/"]),
+            self._pick(self.integers, n),
+        )
 
     def batch(self, index: int, n: int) -> bytes:
         """Batch `index`: about n words of text, whole documents joined by SEPARATOR, none after the last.
@@ -284,8 +295,9 @@ def _make_batch(args: tuple[int, int]) -> bytes:
     return _worker_profile.batch(*args)
 
 
-def generate(profile: str, size: int, out, seed: int = 0, num_workers: int | None = None,
-             batch_words: int = 500_000) -> int:
+def generate(
+    profile: str, size: int, out, seed: int = 0, num_workers: int | None = None, batch_words: int = 500_000
+) -> int:
     """Write at most `size` bytes of `profile` text to the binary file `out`; return the bytes written.
 
     Stops at the last document end that fits in `size`; a first document longer than `size` is
@@ -333,8 +345,11 @@ def main() -> None:
         written = generate(args.profile, args.size, f, args.seed)
     tmp.replace(args.out)
     seconds = time.perf_counter() - start
-    print(f"{args.out}: {written / 1e6:.1f} MB of {args.profile} text (seed {args.seed}) in {seconds:.1f} s, "
-          f"{written / 1e6 / seconds:.0f} MB/s", file=sys.stderr)
+    print(
+        f"{args.out}: {written / 1e6:.1f} MB of {args.profile} text (seed {args.seed}) in {seconds:.1f} s, "
+        f"{written / 1e6 / seconds:.0f} MB/s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -40,15 +40,19 @@ def median_ratio(reference: list[float], other: list[float]) -> float:
 def bench_adamw(rounds: int) -> None:
     torch.manual_seed(0)
     model = Transformer(**SMALL)
-    params = {name: [p.detach().clone().requires_grad_() for p in model.parameters()]
-              for name in ("tinylm", "torch foreach", "torch for-loop")}
+    params = {
+        name: [p.detach().clone().requires_grad_() for p in model.parameters()]
+        for name in ("tinylm", "torch foreach", "torch for-loop")
+    }
     for copies in params.values():
         for p, source in zip(copies, model.parameters(), strict=True):
             p.grad = torch.randn_like(source) * 1e-3
 
     def groups(copies):
-        return [{"params": [p for p in copies if p.dim() >= 2], "weight_decay": 0.1},
-                {"params": [p for p in copies if p.dim() < 2], "weight_decay": 0.0}]
+        return [
+            {"params": [p for p in copies if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in copies if p.dim() < 2], "weight_decay": 0.0},
+        ]
 
     optimizers = {
         "tinylm": AdamW(groups(params["tinylm"]), lr=1e-3),
@@ -99,7 +103,7 @@ def bench_steps(title: str, variants: dict, rounds: int, warmup: int, reference:
             step()
     times = {name: [] for name in variants}
     for i in range(rounds):
-        for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
+        for name in list(variants) if i % 2 == 0 else list(variants)[::-1]:
             times[name].append(variants[name]())
     tokens = 16 * DEFAULT["context_length"]
     print(f"\n### {title} (default model, global batch 16 x 256, {rounds} rounds after {warmup} warm-up)\n")
@@ -118,26 +122,42 @@ def fresh(dtype=torch.float32, micro_steps: int = 1, compiled: bool = False):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", choices=["adamw", "accumulation", "precision"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"CPU ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
     with contextlib.suppress(KeyboardInterrupt):
         if args.only in (None, "adamw"):
             bench_adamw(args.rounds)
         if args.only in (None, "accumulation"):
-            bench_steps("Gradient accumulation", {"1 micro-step of 16": fresh(),
-                                                  "4 micro-steps of 4": fresh(micro_steps=4)},
-                        args.rounds, warmup=3, reference="1 micro-step of 16")
+            bench_steps(
+                "Gradient accumulation",
+                {"1 micro-step of 16": fresh(), "4 micro-steps of 4": fresh(micro_steps=4)},
+                args.rounds,
+                warmup=3,
+                reference="1 micro-step of 16",
+            )
         if args.only in (None, "precision"):
-            bench_steps("Precision and torch.compile", {
-                "float32": fresh(), "bf16 autocast": fresh(torch.bfloat16),
-                "float32 + compile": fresh(compiled=True), "bf16 + compile": fresh(torch.bfloat16, compiled=True),
-            }, args.rounds, warmup=3, reference="float32")
+            bench_steps(
+                "Precision and torch.compile",
+                {
+                    "float32": fresh(),
+                    "bf16 autocast": fresh(torch.bfloat16),
+                    "float32 + compile": fresh(compiled=True),
+                    "bf16 + compile": fresh(torch.bfloat16, compiled=True),
+                },
+                args.rounds,
+                warmup=3,
+                reference="float32",
+            )
 
 
 if __name__ == "__main__":

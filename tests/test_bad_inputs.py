@@ -27,15 +27,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tinylm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tinylm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def pretrain_args(config, tiny_data, tmp_path, train=None, valid=None, tokenizer=None):
-    return ["pretrain", "--config", config, "--tokenizer", tokenizer or tiny_data["tokenizer"],
-            "--train-tokens", train or tiny_data["train"], "--valid-tokens", valid or tiny_data["valid"],
-            "--state-dir", tmp_path / "state", "--checkpoint-dir", tmp_path / "ckpt",
-            "--tensorboard-dir", tmp_path / "tb"]
+    return [
+        "pretrain",
+        "--config",
+        config,
+        "--tokenizer",
+        tokenizer or tiny_data["tokenizer"],
+        "--train-tokens",
+        train or tiny_data["train"],
+        "--valid-tokens",
+        valid or tiny_data["valid"],
+        "--state-dir",
+        tmp_path / "state",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--tensorboard-dir",
+        tmp_path / "tb",
+    ]
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -48,12 +66,25 @@ def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
 def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
     """A published checkpoint folder holding an untrained model (what evaluate and generate read)."""
     torch.manual_seed(0)
-    config = dict(vocab_size=vocab_size, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
-                  rope_theta=10000.0)
+    config = dict(
+        vocab_size=vocab_size,
+        context_length=16,
+        d_model=32,
+        num_layers=1,
+        num_heads=2,
+        d_ff=64,
+        rope_theta=10000.0,
+    )
     model = Transformer(**config)
     for step in steps:
-        payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step * 128,
-                   "model_config": config, "rng": []}
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": {},
+            "iteration": step,
+            "tokens_seen": step * 128,
+            "model_config": config,
+            "rng": [],
+        }
         manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
         state_lib.commit(folder / "state", step, payload, manifest)
     state_lib.publish(folder / "state", folder / "ckpt")
@@ -71,9 +102,24 @@ def test_truncated_token_file_is_refused_naming_it(tiny_data, tmp_path):
     config = write_tiny_config(tmp_path / "c.yaml")
     assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=truncated)), str(truncated))
     assert not (tmp_path / "ckpt").exists()
-    assert_refused(tinylm("evaluate", "--config", config, "--tokenizer", tiny_data["tokenizer"],
-                          "--checkpoint-dir", make_checkpoints(tmp_path), "--valid-tokens", truncated,
-                          "--output", tmp_path / "eval.csv", "--plot", tmp_path / "eval.png"), str(truncated))
+    assert_refused(
+        tinylm(
+            "evaluate",
+            "--config",
+            config,
+            "--tokenizer",
+            tiny_data["tokenizer"],
+            "--checkpoint-dir",
+            make_checkpoints(tmp_path),
+            "--valid-tokens",
+            truncated,
+            "--output",
+            tmp_path / "eval.csv",
+            "--plot",
+            tmp_path / "eval.png",
+        ),
+        str(truncated),
+    )
     assert not (tmp_path / "eval.csv").exists()
 
 
@@ -110,8 +156,10 @@ def test_token_file_of_another_vocabulary_is_refused(tiny_data, tmp_path):
     bad = tmp_path / "train.npy"
     np.save(bad, np.array([1, 2, 3, 299, 5000] * 100, dtype=np.uint16))
     config = write_tiny_config(tmp_path / "c.yaml")
-    assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)),
-                   f"{bad}: token id 5000 is outside the tokenizer's vocabulary of 300")
+    assert_refused(
+        tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)),
+        f"{bad}: token id 5000 is outside the tokenizer's vocabulary of 300",
+    )
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -119,14 +167,27 @@ def test_validation_tokens_shorter_than_the_context_are_refused(tiny_data, tmp_p
     short = tmp_path / "valid.npy"
     np.save(short, np.arange(10, dtype=np.uint16))
     config = write_tiny_config(tmp_path / "c.yaml")
-    assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, valid=short)), str(short),
-                   "holds 10 tokens", "model.context_length")
+    assert_refused(
+        tinylm(*pretrain_args(config, tiny_data, tmp_path, valid=short)),
+        str(short),
+        "holds 10 tokens",
+        "model.context_length",
+    )
 
 
 def test_tokenizer_of_another_vocabulary_than_the_config_is_refused_by_encode(tiny_data, tmp_path):
     config = write_tiny_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 512})
-    proc = tinylm("encode", "--config", config, "--tokenizer", tiny_data["tokenizer"],
-                  "--input", tiny_data["train"].with_suffix(".txt"), "--output", tmp_path / "t.npy")
+    proc = tinylm(
+        "encode",
+        "--config",
+        config,
+        "--tokenizer",
+        tiny_data["tokenizer"],
+        "--input",
+        tiny_data["train"].with_suffix(".txt"),
+        "--output",
+        tmp_path / "t.npy",
+    )
     assert_refused(proc, str(tiny_data["tokenizer"]), "300", "512")
     assert not (tmp_path / "t.npy").exists()
 
@@ -145,11 +206,33 @@ def test_tokenizer_file_that_is_not_json_is_refused(tiny_data, tmp_path):
 def test_checkpoint_of_another_vocabulary_is_refused_by_evaluate_and_generate(tiny_data, tmp_path):
     ckpt = make_checkpoints(tmp_path, vocab_size=400)
     config = write_tiny_config(tmp_path / "c.yaml")
-    proc = tinylm("evaluate", "--config", config, "--tokenizer", tiny_data["tokenizer"], "--checkpoint-dir", ckpt,
-                  "--valid-tokens", tiny_data["valid"], "--output", tmp_path / "e.csv", "--plot", tmp_path / "e.png")
+    proc = tinylm(
+        "evaluate",
+        "--config",
+        config,
+        "--tokenizer",
+        tiny_data["tokenizer"],
+        "--checkpoint-dir",
+        ckpt,
+        "--valid-tokens",
+        tiny_data["valid"],
+        "--output",
+        tmp_path / "e.csv",
+        "--plot",
+        tmp_path / "e.png",
+    )
     assert_refused(proc, "step_2.pt", "400", "300")
-    proc = tinylm("generate", "--config", config, "--tokenizer", tiny_data["tokenizer"], "--checkpoint-dir", ckpt,
-                  "--output", tmp_path / "s.txt")
+    proc = tinylm(
+        "generate",
+        "--config",
+        config,
+        "--tokenizer",
+        tiny_data["tokenizer"],
+        "--checkpoint-dir",
+        ckpt,
+        "--output",
+        tmp_path / "s.txt",
+    )
     assert_refused(proc, "step_2.pt", "400", "300")
     assert not (tmp_path / "e.csv").exists() and not (tmp_path / "s.txt").exists()
 
@@ -162,8 +245,17 @@ def test_flipped_byte_in_a_published_checkpoint_is_refused(tiny_data, tmp_path):
     path.unlink()
     path.write_bytes(bytes(data))
     config = write_tiny_config(tmp_path / "c.yaml")
-    proc = tinylm("generate", "--config", config, "--tokenizer", tiny_data["tokenizer"], "--checkpoint-dir", ckpt,
-                  "--output", tmp_path / "s.txt")
+    proc = tinylm(
+        "generate",
+        "--config",
+        config,
+        "--tokenizer",
+        tiny_data["tokenizer"],
+        "--checkpoint-dir",
+        ckpt,
+        "--output",
+        tmp_path / "s.txt",
+    )
     assert_refused(proc, str(path), "sha256")
 
 
@@ -192,20 +284,38 @@ def test_hostile_checkpoint_never_runs_code(tiny_data, tmp_path, stage):
     env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
     common = ["--config", config, "--tokenizer", tiny_data["tokenizer"]]
     if stage == "evaluate":
-        args = ["evaluate", *common, "--checkpoint-dir", tmp_path, "--valid-tokens", tiny_data["valid"],
-                "--output", tmp_path / "e.csv", "--plot", tmp_path / "e.png"]
+        args = [
+            "evaluate",
+            *common,
+            "--checkpoint-dir",
+            tmp_path,
+            "--valid-tokens",
+            tiny_data["valid"],
+            "--output",
+            tmp_path / "e.csv",
+            "--plot",
+            tmp_path / "e.png",
+        ]
     elif stage == "generate":
         args = ["generate", *common, "--checkpoint-dir", tmp_path, "--output", tmp_path / "s.txt"]
     else:
         args = pretrain_args(config, tiny_data, tmp_path)
         # The resume check needs this run's identity in the manifest.
         cfg = load_config(config)
-        manifest.update(structural_hash=structural_hash(model_config_of(cfg, 300)),
-                        tokenizer_sha256=sha256_file(tiny_data["tokenizer"]),
-                        config=weight_config(cfg))
+        manifest.update(
+            structural_hash=structural_hash(model_config_of(cfg, 300)),
+            tokenizer_sha256=sha256_file(tiny_data["tokenizer"]),
+            config=weight_config(cfg),
+        )
         (folder / "manifest.json").write_text(json.dumps(manifest))
-    proc = subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "with weights_only=True" in proc.stderr
     assert not marker.exists()
@@ -231,8 +341,9 @@ def tiny_disk(tmp_path):
     """A 64 KiB tmpfs (needs root and mount rights, as on the project's machines)."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
     yield mount_point
@@ -242,8 +353,17 @@ def tiny_disk(tmp_path):
 def test_full_disk_while_writing_token_files_leaves_nothing(tiny_data, tmp_path, tiny_disk):
     config = write_tiny_config(tmp_path / "c.yaml")
     out = tiny_disk / "train.npy"
-    proc = tinylm("encode", "--config", config, "--tokenizer", tiny_data["tokenizer"],
-                  "--input", tiny_data["train"].with_suffix(".txt"), "--output", out)
+    proc = tinylm(
+        "encode",
+        "--config",
+        config,
+        "--tokenizer",
+        tiny_data["tokenizer"],
+        "--input",
+        tiny_data["train"].with_suffix(".txt"),
+        "--output",
+        out,
+    )
     assert_refused(proc, "No space left on device")
     assert list(tiny_disk.iterdir()) == []
 
@@ -258,8 +378,19 @@ def test_full_disk_while_writing_token_files_simulated(tiny_data, tmp_path, monk
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     config = write_tiny_config(tmp_path / "c.yaml")
     out = tmp_path / "out" / "train.npy"
-    code = main(["encode", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]),
-                 "--input", str(tiny_data["train"].with_suffix(".txt")), "--output", str(out)])
+    code = main(
+        [
+            "encode",
+            "--config",
+            str(config),
+            "--tokenizer",
+            str(tiny_data["tokenizer"]),
+            "--input",
+            str(tiny_data["train"].with_suffix(".txt")),
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 1
     assert list(out.parent.iterdir()) == []
 
@@ -287,13 +418,18 @@ def test_backend_rules_against_the_cuda_device_count(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_backend("nccl", 2) == "nccl" and resolve_backend("auto", 2) == "nccl"
     assert resolve_backend("gloo", 8) == "gloo"
-    with pytest.raises(ValueError, match=r"train\.world_size: 4 ranks on this machine .* need 4 CUDA devices, "
-                                         r"but it has 2 \(set train\.world_size to 2 or fewer"):
+    with pytest.raises(
+        ValueError,
+        match=r"train\.world_size: 4 ranks on this machine .* need 4 CUDA devices, "
+        r"but it has 2 \(set train\.world_size to 2 or fewer",
+    ):
         resolve_backend("nccl", 4)
     capsys.readouterr()
     assert resolve_backend("auto", 4) == "gloo"  # the default command works anywhere, and says so
-    assert ("train.world_size 4 is more ranks than this machine's 2 CUDA devices: training on the CPU with gloo "
-            "(set train.world_size: 2 to use the GPUs)") in capsys.readouterr().err
+    assert (
+        "train.world_size 4 is more ranks than this machine's 2 CUDA devices: training on the CPU with gloo "
+        "(set train.world_size: 2 to use the GPUs)"
+    ) in capsys.readouterr().err
     # Under torchrun the ranks of this machine count, not the whole world.
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -309,19 +445,33 @@ def test_backend_rules_against_the_cuda_device_count(monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     ("content", "words"),
-    [(b"fine text \xff\xfe broken", ["not valid UTF-8", "offset 10"]), (b"  \n\t ", ["empty or holds only whitespace"])],
+    [
+        (b"fine text \xff\xfe broken", ["not valid UTF-8", "offset 10"]),
+        (b"  \n\t ", ["empty or holds only whitespace"]),
+    ],
 )
 def test_bad_corpus_file_is_refused_by_the_corpus_stage(tmp_path, content, words):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(content)
     config = write_tiny_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(bad)]})
-    proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "out" / "train.txt",
-                  "--valid-out", tmp_path / "out" / "valid.txt")
+    proc = tinylm(
+        "corpus",
+        "--config",
+        config,
+        "--train-out",
+        tmp_path / "out" / "train.txt",
+        "--valid-out",
+        tmp_path / "out" / "valid.txt",
+    )
     assert_refused(proc, str(bad), *words)
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
 def test_missing_corpus_file_is_named(tmp_path):
-    config = write_tiny_config(tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(tmp_path / "nope.txt")]})
-    proc = tinylm("corpus", "--config", config, "--train-out", tmp_path / "t.txt", "--valid-out", tmp_path / "v.txt")
+    config = write_tiny_config(
+        tmp_path / "c.yaml", corpus={"source": "files", "train_files": [str(tmp_path / "nope.txt")]}
+    )
+    proc = tinylm(
+        "corpus", "--config", config, "--train-out", tmp_path / "t.txt", "--valid-out", tmp_path / "v.txt"
+    )
     assert_refused(proc, "nope.txt", "not found")

@@ -170,10 +170,16 @@ def _mixed_payload() -> dict:
     torch.manual_seed(3)
     tied = torch.randn(7, 5)
     return {
-        "model": {"embed": tied, "head": tied, "norm": torch.randn(5).to(torch.bfloat16),
-                  "empty": torch.zeros(0, 3)},
-        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7, 5)}},
-                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
+        "model": {
+            "embed": tied,
+            "head": tied,
+            "norm": torch.randn(5).to(torch.bfloat16),
+            "empty": torch.zeros(0, 3),
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7, 5)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}],
+        },
         "iteration": 7,
         "rng": [{"torch": torch.get_rng_state(), "python": (3, [1, 2], None)}, {"ids": torch.arange(9)}],
     }
@@ -211,8 +217,15 @@ def test_ranks_fill_their_own_tensors_of_one_planned_file(tmp_path):
 
     payload = _mixed_payload()
     theirs = payload["optimizer"]["state"][0]
-    planned = {**payload, "optimizer": {**payload["optimizer"], "state": {0: {
-        name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in theirs.items()}}}}
+    planned = {
+        **payload,
+        "optimizer": {
+            **payload["optimizer"],
+            "state": {
+                0: {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in theirs.items()}
+            },
+        },
+    }
     path = tmp_path / "shared.pt"
     layout = ckpt.plan_file(path, planned)
     mine = [(o, t) for o, t in _offsets(layout, planned) if t.device.type != "meta"]
@@ -238,8 +251,9 @@ def test_the_reader_reads_and_checks_only_the_tensors_asked_for(tmp_path, monkey
 
     read_bytes = []
     real_preadv = os.preadv
-    monkeypatch.setattr(ckpt.os, "preadv", lambda fd, bufs, off: read_bytes.append(len(bufs[0])) or
-                        real_preadv(fd, bufs, off))
+    monkeypatch.setattr(
+        ckpt.os, "preadv", lambda fd, bufs, off: read_bytes.append(len(bufs[0])) or real_preadv(fd, bufs, off)
+    )
     with ckpt.CheckpointReader(path, entry) as reader:
         saved = reader.structure
         assert saved["model"]["embed"].device.type == "meta" and not read_bytes  # nothing read yet

@@ -49,14 +49,23 @@ def test_every_config_key_is_documented_in_config_readme():
         ("train", "lr_max", float("nan"), ["train.lr_max", "finite"]),
         ("train", "backend", "mpi", ["train.backend", "'mpi'", "gloo"]),
         ("train", "batch_size", 15, ["train.batch_size", "15", "world_size"]),
-        ("train", "grad_accum_steps", 3, ["train.batch_size", "32", "train.world_size", "train.grad_accum_steps",
-                                          "2 * 3"]),
+        (
+            "train",
+            "grad_accum_steps",
+            3,
+            ["train.batch_size", "32", "train.world_size", "train.grad_accum_steps", "2 * 3"],
+        ),
         ("train", "grad_accum_steps", 0, ["train.grad_accum_steps", "0"]),
         ("train", "dtype", "fp8", ["train.dtype", "'fp8'", "bfloat16"]),
         ("train", "compile", "yes", ["train.compile", "boolean"]),
         ("train", "peak_flops", 0.0, ["train.peak_flops", "0.0"]),
         ("train", "lr_min", 1.0, ["train.lr_min", "lr_max"]),
-        ("train", "lr_min", "6e-05", ["train.lr_min", "'6e-05'", "write 6.0e-05"]),  # YAML 1.1 reads it as text
+        (
+            "train",
+            "lr_min",
+            "6e-05",
+            ["train.lr_min", "'6e-05'", "write 6.0e-05"],
+        ),  # YAML 1.1 reads it as text
         ("train", "warmup_iters", 5000, ["train.warmup_iters", "5000"]),
         ("train", "keep_checkpoints", 1, ["train.keep_checkpoints", "1"]),
         ("tokenizer", "vocab_size", 70000, ["tokenizer.vocab_size", "70000", "65536"]),
@@ -117,8 +126,16 @@ def test_run_hash_changes_with_training_keys_only():
     assert run_hash(from_dict(with_value("train", "dtype", "float32"))) != base
     # Logging, validation estimates, retention and timeouts never change the weights; the layout of
     # the batch over ranks and micro-steps, compilation and kernels only within float rounding.
-    for key, value in [("log_interval", 7), ("timeout_s", 60.0), ("world_size", 1), ("grad_accum_steps", 2),
-                       ("compile", True), ("deterministic", False), ("threads_per_rank", 2), ("backend", "gloo")]:
+    for key, value in [
+        ("log_interval", 7),
+        ("timeout_s", 60.0),
+        ("world_size", 1),
+        ("grad_accum_steps", 2),
+        ("compile", True),
+        ("deterministic", False),
+        ("threads_per_rank", 2),
+        ("backend", "gloo"),
+    ]:
         assert run_hash(from_dict(with_value("train", key, value))) == base, key
 
 
@@ -130,8 +147,12 @@ def test_committed_schema_is_generated_from_the_dataclasses():
 def test_schema_accepts_the_default_config_and_rejects_what_the_dataclasses_reject():
     schema = json_schema()
     jsonschema.validate(raw_default(), schema)
-    for section, key, value in [("train", "batch_size", "x"), ("train", "lr_max", 0.0),
-                                ("train", "nonsense", 1), ("corpus", "source", "ftp")]:
+    for section, key, value in [
+        ("train", "batch_size", "x"),
+        ("train", "lr_max", 0.0),
+        ("train", "nonsense", 1),
+        ("corpus", "source", "ftp"),
+    ]:
         raw = copy.deepcopy(raw_default())
         raw[section][key] = value
         with pytest.raises(jsonschema.ValidationError):
@@ -143,9 +164,23 @@ def test_schema_accepts_the_default_config_and_rejects_what_the_dataclasses_reje
 def test_cli_reports_a_bad_config_and_exits_nonzero(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text(yaml.safe_dump(with_value("train", "batch_size", 15)))
-    proc = subprocess.run([sys.executable, "-m", "tinylm", "corpus", "--config", str(bad),
-                           "--train-out", str(tmp_path / "t.txt"), "--valid-out", str(tmp_path / "v.txt")],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tinylm",
+            "corpus",
+            "--config",
+            str(bad),
+            "--train-out",
+            str(tmp_path / "t.txt"),
+            "--valid-out",
+            str(tmp_path / "v.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1
     assert "train.batch_size: 15 is not divisible" in proc.stderr
     assert not (tmp_path / "t.txt").exists()
@@ -155,8 +190,11 @@ def test_runs_are_the_main_config_with_their_overrides():
     from tinylm.config import DEFAULT_RUN, run_configs, run_overrides
 
     raw = raw_default()
-    raw["runs"] = {"lr3e-3": {"train.lr_max": 0.003}, "wide": {"model.d_model": 192, "model.d_ff": 512},
-                   "same": None}
+    raw["runs"] = {
+        "lr3e-3": {"train.lr_max": 0.003},
+        "wide": {"model.d_model": 192, "model.d_ff": 512},
+        "same": None,
+    }
     runs = run_configs(raw)
     assert list(runs) == [DEFAULT_RUN, "lr3e-3", "wide", "same"]
     base = from_dict(raw_default())
@@ -178,12 +216,15 @@ def test_a_duplicate_key_in_a_config_file_is_refused(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize(("section", "key", "value", "message"), [
-    ("train", "batch_size", "16", "train.batch_size: expected an integer, got '16' (str)"),
-    ("train", "lr_max", "fast", "train.lr_max: expected a number, got 'fast' (str)"),
-    ("train", "compile", 1, "train.compile: expected a boolean, got 1 (int)"),
-    ("generate", "prompts", "x", "generate.prompts: expected a list of string, got 'x'"),
-])
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("train", "batch_size", "16", "train.batch_size: expected an integer, got '16' (str)"),
+        ("train", "lr_max", "fast", "train.lr_max: expected a number, got 'fast' (str)"),
+        ("train", "compile", 1, "train.compile: expected a boolean, got 1 (int)"),
+        ("generate", "prompts", "x", "generate.prompts: expected a list of string, got 'x'"),
+    ],
+)
 def test_a_wrong_type_is_named_with_its_article(section, key, value, message):
     with pytest.raises(ConfigError) as error:
         from_dict({section: {key: value}})

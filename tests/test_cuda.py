@@ -23,14 +23,37 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def pretrain(data: dict, config: Path, state: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("TINYLM_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TINYLM_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     if fault:
         env["TINYLM_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(data["tokenizer"]),
-         "--train-tokens", str(data["train"]), "--valid-tokens", str(data["valid"]), "--state-dir", str(state),
-         "--checkpoint-dir", str(state) + "_ckpt", "--tensorboard-dir", str(state) + "_tb"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "tinylm",
+            "pretrain",
+            "--config",
+            str(config),
+            "--tokenizer",
+            str(data["tokenizer"]),
+            "--train-tokens",
+            str(data["train"]),
+            "--valid-tokens",
+            str(data["valid"]),
+            "--state-dir",
+            str(state),
+            "--checkpoint-dir",
+            str(state) + "_ckpt",
+            "--tensorboard-dir",
+            str(state) + "_tb",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
     )
 
 
@@ -40,7 +63,9 @@ def final(state: Path) -> dict:
 
 
 def test_bf16_compiled_training_on_one_gpu(tiny_data, tmp_path):
-    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1, "compile": True, "deterministic": False})
+    config = write_tiny_config(
+        tmp_path / "c.yaml", train={"world_size": 1, "compile": True, "deterministic": False}
+    )
     proc = pretrain(tiny_data, config, tmp_path / "state")
     assert proc.returncode == 0, proc.stderr
     assert "torch.compile: the first step took" in proc.stderr
@@ -49,7 +74,9 @@ def test_bf16_compiled_training_on_one_gpu(tiny_data, tmp_path):
         assert "MFU" in proc.stderr  # a GPU of the peak table
     payload = final(tmp_path / "state")
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in payload["model"].values())
-    losses = [float(line.split(" loss ")[1].split()[0]) for line in proc.stderr.splitlines() if "/12 loss" in line]
+    losses = [
+        float(line.split(" loss ")[1].split()[0]) for line in proc.stderr.splitlines() if "/12 loss" in line
+    ]
     assert losses[-1] < losses[0] - 0.5
 
 
@@ -83,9 +110,17 @@ def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
     """torch's sync debug mode warns at every synchronizing call; count them over 10 and 20 steps."""
     counts = []
     for steps in (10, 20):
-        config = write_tiny_config(tmp_path / f"c{steps}.yaml", train={
-            "world_size": 1, "max_iters": steps, "checkpoint_interval": steps, "val_interval": steps,
-            "log_interval": 1000, "warmup_iters": 2})
+        config = write_tiny_config(
+            tmp_path / f"c{steps}.yaml",
+            train={
+                "world_size": 1,
+                "max_iters": steps,
+                "checkpoint_interval": steps,
+                "val_interval": steps,
+                "log_interval": 1000,
+                "warmup_iters": 2,
+            },
+        )
         script = textwrap.dedent(f"""
             import warnings, torch
             from tinylm.config import load_config
@@ -93,11 +128,13 @@ def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                train(load_config({str(config)!r}), {str(tiny_data['tokenizer'])!r}, {str(tiny_data['train'])!r},
-                      {str(tiny_data['valid'])!r}, {str(tmp_path / f's{steps}')!r}, {str(tmp_path / f'k{steps}')!r})
+                train(load_config({str(config)!r}), {str(tiny_data["tokenizer"])!r}, {str(tiny_data["train"])!r},
+                      {str(tiny_data["valid"])!r}, {str(tmp_path / f"s{steps}")!r}, {str(tmp_path / f"k{steps}")!r})
             print(sum("synchroniz" in str(w.message) for w in caught))
         """)
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr
         counts.append(int(proc.stdout.strip().splitlines()[-1]))
     assert counts[1] - counts[0] <= 10, counts  # 10 more steps cost at most 10 more syncs
@@ -107,12 +144,15 @@ def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
 def test_nccl_ddp_and_sharded_optimizer_match_one_gpu(tiny_data, tmp_path):
     losses = {}
     for world_size in (1, 2):
-        config = write_tiny_config(tmp_path / f"w{world_size}.yaml", train={
-            "world_size": world_size, "backend": "nccl", "dtype": "float32", "shard_optimizer": True})
+        config = write_tiny_config(
+            tmp_path / f"w{world_size}.yaml",
+            train={"world_size": world_size, "backend": "nccl", "dtype": "float32", "shard_optimizer": True},
+        )
         proc = pretrain(tiny_data, config, tmp_path / f"s{world_size}")
         assert proc.returncode == 0, proc.stderr
-        losses[world_size] = [line.split(" loss ")[1].split()[0] for line in proc.stderr.splitlines()
-                              if "/12 loss" in line]
+        losses[world_size] = [
+            line.split(" loss ")[1].split()[0] for line in proc.stderr.splitlines() if "/12 loss" in line
+        ]
     assert len(losses[1]) == 12
     assert all(abs(float(a) - float(b)) < 1e-4 for a, b in zip(losses[1], losses[2], strict=True))
 
@@ -126,10 +166,12 @@ def test_compiled_blocks_run_their_matmuls_in_bf16_on_the_gpu():
     from tinylm.precision import autocast
 
     torch.manual_seed(0)
-    eager = Transformer(vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256,
-                        device="cuda")
-    compiled = Transformer(vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256,
-                           device="cuda")
+    eager = Transformer(
+        vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256, device="cuda"
+    )
+    compiled = Transformer(
+        vocab_size=512, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256, device="cuda"
+    )
     compiled.load_state_dict(eager.state_dict())
     for block in compiled.layers:
         block.compile()
@@ -150,8 +192,9 @@ def test_compiled_blocks_run_their_matmuls_in_bf16_on_the_gpu():
 
 
 def test_float16_overflow_is_skipped_and_lowers_the_scale_on_the_gpu(tiny_data, tmp_path):
-    config = write_tiny_config(tmp_path / "c.yaml", train={"world_size": 1, "dtype": "float16",
-                                                           "deterministic": False})
+    config = write_tiny_config(
+        tmp_path / "c.yaml", train={"world_size": 1, "dtype": "float16", "deterministic": False}
+    )
     proc = pretrain(tiny_data, config, tmp_path / "state", fault="rank=0,step=5,action=overflow")
     assert proc.returncode == 0, proc.stderr
     assert "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in proc.stderr
@@ -175,17 +218,24 @@ def test_muon_matches_torch_muon_on_cuda_and_a_muon_run_trains(tiny_data, tmp_pa
 
     def split(model):
         named = list(model.named_parameters())
-        return ([p for n, p in named if n.startswith("layers.") and p.dim() == 2],
-                [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)])
+        return (
+            [p for n, p in named if n.startswith("layers.") and p.dim() == 2],
+            [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)],
+        )
 
     matrices, others = split(ours_model)
     ours = [Muon([{"params": matrices}, {"params": others, "use_muon": False, "lr": 3e-3}], lr=0.02)]
     torch_matrices, torch_others = split(torch_model)
-    theirs = [torch.optim.Muon(torch_matrices, lr=0.02), torch.optim.AdamW(torch_others, lr=3e-3, foreach=True)]
+    theirs = [
+        torch.optim.Muon(torch_matrices, lr=0.02),
+        torch.optim.AdamW(torch_others, lr=3e-3, foreach=True),
+    ]
     for model, optimizers in ((ours_model, ours), (torch_model, theirs)):
         g = torch.Generator().manual_seed(1)
         for _ in range(100):
-            tokens = torch.randint(0, config["vocab_size"], (4, config["context_length"] + 1), generator=g).cuda()
+            tokens = torch.randint(
+                0, config["vocab_size"], (4, config["context_length"] + 1), generator=g
+            ).cuda()
             loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
@@ -196,8 +246,10 @@ def test_muon_matches_torch_muon_on_cuda_and_a_muon_run_trains(tiny_data, tmp_pa
         err = ((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
         assert err <= 1e-6, f"{name}: relative difference {err:.2e}"
 
-    cfg = write_tiny_config(tmp_path / "config.yaml", train={"optimizer": "muon", "world_size": 1, "dtype": "bfloat16",
-                                                               "compile": True})
+    cfg = write_tiny_config(
+        tmp_path / "config.yaml",
+        train={"optimizer": "muon", "world_size": 1, "dtype": "bfloat16", "compile": True},
+    )
     proc = pretrain(tiny_data, cfg, tmp_path / "state")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final(tmp_path / "state")["optimizer"]["param_groups"][0]["use_muon"] is True

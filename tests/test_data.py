@@ -130,5 +130,7 @@ def test_load_tokens_checks_ids_against_the_vocabulary(tmp_path):
     path = tmp_path / "t.npy"
     np.save(path, np.array([0, 5, 299], dtype=np.uint16))
     assert len(load_tokens(path, vocab_size=300)) == 3
-    with pytest.raises(ValueError, match=r"t\.npy: token id 299 is outside the tokenizer's vocabulary of 299"):
+    with pytest.raises(
+        ValueError, match=r"t\.npy: token id 299 is outside the tokenizer's vocabulary of 299"
+    ):
         load_tokens(path, vocab_size=299)

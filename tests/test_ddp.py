@@ -87,7 +87,9 @@ def test_buckets_follow_reverse_order_and_size_limit():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(tmp_path, world_size):
-    launch(_ddp_ranks.zero1_matches_single_process, args=(str(tmp_path),), world_size=world_size, timeout_s=60)
+    launch(
+        _ddp_ranks.zero1_matches_single_process, args=(str(tmp_path),), world_size=world_size, timeout_s=60
+    )
     for result in read_results(tmp_path, world_size):
         assert result["worst"] <= 1e-6
         assert result["grads_kept"] > 0

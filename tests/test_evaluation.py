@@ -21,7 +21,9 @@ from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
-CONFIG = dict(vocab_size=300, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=24, rope_theta=10000.0)
+CONFIG = dict(
+    vocab_size=300, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=24, rope_theta=10000.0
+)
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -87,7 +89,9 @@ def test_every_token_after_the_first_is_predicted_exactly_once(n, batch_size):
     assert scores.count == n - 1
     assert all(batch.shape[1] == 8 for batch in model.inputs[:-1])  # only the last window is short
     assert model.inputs[-1].shape[1] == (n - 2) % 8 + 1
-    assert math.isclose(scores.loss_sum, (n - 1) * math.log(n + 1), rel_tol=1e-6)  # uniform: log V each (float32)
+    assert math.isclose(
+        scores.loss_sum, (n - 1) * math.log(n + 1), rel_tol=1e-6
+    )  # uniform: log V each (float32)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 100])
@@ -107,8 +111,14 @@ def publish(folder: Path, steps, seed: int = 0, dtype: str | None = None) -> Pat
     """Published checkpoints of tiny models (one per step, different weights), as training writes them."""
     for step in steps:
         model = tiny_model(seed + step)
-        payload = {"model": model.state_dict(), "optimizer": {}, "iteration": step, "tokens_seen": step * 64,
-                   "model_config": CONFIG, "rng": []}
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": {},
+            "iteration": step,
+            "tokens_seen": step * 64,
+            "model_config": CONFIG,
+            "rng": [],
+        }
         manifest = {"world_size": 1, "tokens_seen": step * 64}
         if dtype is not None:
             manifest["config"] = {"train": {"dtype": dtype}}
@@ -207,7 +217,9 @@ def test_a_checkpoint_with_other_weights_is_scored_again(tmp_path):
 def test_the_cpu_evaluates_in_float32_whatever_the_training_dtype(tmp_path):
     tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(60, seed=5))
     tokenizer, cache = tiny_tokenizer(), tmp_path / "eval_cache"
-    bf16 = evaluate_checkpoints(publish(tmp_path / "a", [1], dtype="bfloat16"), tokens, tokenizer, cache_dir=cache)
+    bf16 = evaluate_checkpoints(
+        publish(tmp_path / "a", [1], dtype="bfloat16"), tokens, tokenizer, cache_dir=cache
+    )
     fp32 = evaluate_checkpoints(publish(tmp_path / "b", [1]), tokens, tokenizer)
     pd.testing.assert_frame_equal(bf16, fp32)
     (entry,) = cache.glob("*.json")
@@ -273,8 +285,15 @@ def test_a_rerun_with_nothing_new_reads_no_checkpoint(tmp_path, monkeypatch):
         evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=tmp_path / "empty_cache")
 
 
-LARGE = dict(vocab_size=32000, context_length=64, d_model=768, num_layers=8, num_heads=12, d_ff=2048,
-             rope_theta=10000.0)
+LARGE = dict(
+    vocab_size=32000,
+    context_length=64,
+    d_model=768,
+    num_layers=8,
+    num_heads=12,
+    d_ff=2048,
+    rope_theta=10000.0,
+)
 
 
 @pytest.mark.slow
@@ -292,11 +311,23 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     assert sum(p.numel() for p in model.parameters()) >= 100e6
     for step in (1, 2):
         state = model.state_dict()
-        moments = {i: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p),
-                       "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}
-        payload = {"model": state, "optimizer": {"state": moments, "param_groups": [
-            {"lr": 1e-3, "params": list(moments)}]}, "iteration": step, "model_config": LARGE}
-        state_lib.commit(tmp_path / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10)
+        moments = {
+            i: {
+                "step": torch.tensor(float(step)),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+            for i, p in enumerate(model.parameters())
+        }
+        payload = {
+            "model": state,
+            "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3, "params": list(moments)}]},
+            "iteration": step,
+            "model_config": LARGE,
+        }
+        state_lib.commit(
+            tmp_path / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
+        )
         del moments, payload
     state_lib.publish(tmp_path / "state", tmp_path / "ckpt")
     del model, state
@@ -310,15 +341,30 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     tokens = np.random.default_rng(0).integers(0, 32000, 200).astype(np.uint16)
     write_tokens(tmp_path / "valid.npy", tokens)
     (tmp_path / "config.yaml").write_text("evaluate:\n  batch_size: 2\n  threads: 1\n")
-    arguments = ["evaluate", "--config", str(tmp_path / "config.yaml"), "--tokenizer", str(tmp_path / "tokenizer.json"),
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--valid-tokens", str(tmp_path / "valid.npy"),
-                 "--output", str(tmp_path / "eval.csv"), "--plot", str(tmp_path / "eval.png"),
-                 "--cache-dir", str(tmp_path / "cache")]
+    arguments = [
+        "evaluate",
+        "--config",
+        str(tmp_path / "config.yaml"),
+        "--tokenizer",
+        str(tmp_path / "tokenizer.json"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--valid-tokens",
+        str(tmp_path / "valid.npy"),
+        "--output",
+        str(tmp_path / "eval.csv"),
+        "--plot",
+        str(tmp_path / "eval.png"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     # The CLI, then the process's own peak resident set (VmHWM: ru_maxrss would count this large
     # pytest process, from which the child was forked).
-    script = (f"import runpy, sys; sys.argv = ['tinylm', *{arguments!r}]\n"
-              "try:\n    runpy.run_module('tinylm', run_name='__main__')\n"
-              "finally:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)")
+    script = (
+        f"import runpy, sys; sys.argv = ['tinylm', *{arguments!r}]\n"
+        "try:\n    runpy.run_module('tinylm', run_name='__main__')\n"
+        "finally:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"
+    )
 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -327,8 +373,13 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     first = read_eval(tmp_path / "eval.csv")
     assert len(first) == 2
     began = time.perf_counter()
-    again = evaluate_checkpoints(tmp_path / "ckpt", tmp_path / "valid.npy", Tokenizer.load(tmp_path / "tokenizer.json"),
-                                 batch_size=2, cache_dir=tmp_path / "cache")
+    again = evaluate_checkpoints(
+        tmp_path / "ckpt",
+        tmp_path / "valid.npy",
+        Tokenizer.load(tmp_path / "tokenizer.json"),
+        batch_size=2,
+        cache_dir=tmp_path / "cache",
+    )
     seconds = time.perf_counter() - began
     assert seconds < 5, f"a rerun with nothing new took {seconds:.1f} s"
     assert list(again["val_loss"].round(6)) == list(first["val_loss"].round(6))

@@ -27,8 +27,14 @@ from tinylm.model import RotaryEmbedding, Transformer
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "generation_config.json"}
+FILES = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +59,28 @@ def test_the_folder_is_a_llama_with_our_sizes_and_token_ids(exported, ours, thei
     assert {p.name for p in exported.iterdir()} == FILES
     assert isinstance(hf_model, LlamaForCausalLM)
     c, hc = model.config, hf_model.config
-    assert (hc.vocab_size, hc.hidden_size, hc.intermediate_size, hc.num_hidden_layers, hc.num_attention_heads,
-            hc.num_key_value_heads, hc.max_position_embeddings) == (
-        c["vocab_size"], c["d_model"], c["d_ff"], c["num_layers"], c["num_heads"], c["num_heads"],
-        c["context_length"])
+    assert (
+        hc.vocab_size,
+        hc.hidden_size,
+        hc.intermediate_size,
+        hc.num_hidden_layers,
+        hc.num_attention_heads,
+        hc.num_key_value_heads,
+        hc.max_position_embeddings,
+    ) == (
+        c["vocab_size"],
+        c["d_model"],
+        c["d_ff"],
+        c["num_layers"],
+        c["num_heads"],
+        c["num_heads"],
+        c["context_length"],
+    )
     assert not hc.tie_word_embeddings and hf_model.dtype == torch.float32
     # eps is too small to show in the logits test: check that transformers uses ours
-    assert {m.variance_epsilon for m in hf_model.modules() if hasattr(m, "variance_epsilon")} == {model.ln_final.eps}
+    assert {m.variance_epsilon for m in hf_model.modules() if hasattr(m, "variance_epsilon")} == {
+        model.ln_final.eps
+    }
     eot = tokenizer.special_ids["<|endoftext|>"]
     assert hc.bos_token_id == hc.eos_token_id == hf_tokenizer.eos_token_id == hf_tokenizer.bos_token_id == eot
     assert hf_model.generation_config.eos_token_id == eot
@@ -71,8 +92,18 @@ def test_the_tokenizer_gives_our_ids_and_decodes_back(ours, theirs):
     _, hf_tokenizer = theirs
     rng = random.Random(1)
     texts = [mixed_text(rng, n) for n in (5, 50, 400)]  # words, other scripts, emoji, whitespace runs
-    texts += ["", " ", "  \n\n\t  x  ", "<|endoftext|><|endoftext|>", "a<|pad|>b<|endoftext|> c",
-              "it's 'Twas THEY'LL", "\u00a0\u3000\u2028\x1c\x85", "👨‍👩‍👧🇫🇷❤️e\u0301", "١٢٣ Ⅻ ½ ǅ", "<|endoftext"]
+    texts += [
+        "",
+        " ",
+        "  \n\n\t  x  ",
+        "<|endoftext|><|endoftext|>",
+        "a<|pad|>b<|endoftext|> c",
+        "it's 'Twas THEY'LL",
+        "\u00a0\u3000\u2028\x1c\x85",
+        "👨‍👩‍👧🇫🇷❤️e\u0301",
+        "١٢٣ Ⅻ ½ ǅ",
+        "<|endoftext",
+    ]
     for text in texts:
         ids = tokenizer.encode(text)
         assert hf_tokenizer(text)["input_ids"] == ids, text
@@ -105,13 +136,18 @@ def test_greedy_generation_gives_the_same_50_ids(ours, theirs):
     assert len(ids) == 50 and eot not in ids  # both would stop after <|endoftext|>; neither drew it
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=50, do_sample=False)
-    assert out[0, len(prompt):].tolist() == ids
+    assert out[0, len(prompt) :].tolist() == ids
 
 
 def test_rope_rows_permuted_make_llamas_rotate_half_of_our_interleaved_pairs():
     num_heads, d_head, T = 2, 8, 11
-    config = LlamaConfig(hidden_size=num_heads * d_head, num_attention_heads=num_heads, head_dim=d_head,
-                         rope_theta=300.0, max_position_embeddings=T)
+    config = LlamaConfig(
+        hidden_size=num_heads * d_head,
+        num_attention_heads=num_heads,
+        head_dim=d_head,
+        rope_theta=300.0,
+        max_position_embeddings=T,
+    )
     x = torch.randn(1, num_heads, T, d_head)
     # interleaved_to_halves reorders rows of a projection; rows of the identity give the feature order
     order = interleaved_to_halves(torch.eye(d_head), 1).argmax(dim=1)
@@ -136,9 +172,24 @@ def test_the_cli_export_is_byte_identical_and_replaces_an_old_folder(tiny_lm, ex
 
 
 def export_cli(checkpoints: Path, tokenizer: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinylm", "export", "--tokenizer", str(tokenizer),
-                           "--checkpoint-dir", str(checkpoints), "--output", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tinylm",
+            "export",
+            "--tokenizer",
+            str(tokenizer),
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_bfloat16_export_loads_as_bfloat16_and_computes_our_rounded_model(tiny_lm, ours, tmp_path):
@@ -148,7 +199,9 @@ def test_bfloat16_export_loads_as_bfloat16_and_computes_our_rounded_model(tiny_l
     model, _ = ours
     rounded = Transformer(**model.config)
     rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
-    ids = torch.randint(model.vocab_size, (2, model.context_length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        model.vocab_size, (2, model.context_length), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         assert (hf_model(ids).logits - rounded(ids)).abs().max() <= 1e-4
         assert (rounded(ids) - model(ids)).abs().max() > 1e-3  # the rounding was real
@@ -159,7 +212,9 @@ def test_bfloat16_export_loads_as_bfloat16_and_computes_our_rounded_model(tiny_l
 
 
 def publish(folder: Path, payload: dict, step: int = 5) -> Path:
-    state_lib.commit(folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, {"world_size": 1})
+    state_lib.commit(
+        folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, {"world_size": 1}
+    )
     state_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
@@ -195,8 +250,11 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tiny_lm, tm
     weights = model.state_dict()
     weights["layers.0.attn.qkv.weight"] = weights.pop("layers.0.attn.qkv_proj.weight")
     ckpt = publish(tmp_path, {"model": weights, "model_config": model.config})
-    with pytest.raises(CheckpointError, match=r"step_5.pt: .*missing \['layers.0.attn.qkv_proj.weight'\], "
-                                              r"unexpected \['layers.0.attn.qkv.weight'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_5.pt: .*missing \['layers.0.attn.qkv_proj.weight'\], "
+        r"unexpected \['layers.0.attn.qkv.weight'\]",
+    ):
         export_hf(ckpt, tiny_lm["tokenizer"], out)
     assert_nothing_written(out)
 
@@ -228,6 +286,9 @@ def test_the_cli_refuses_a_model_of_another_vocabulary(tiny_lm, tmp_path, out):
     ckpt = publish(tmp_path, {"model": model.state_dict(), "model_config": model.config})
     proc = export_cli(ckpt, tiny_lm["tokenizer"], out)
     assert proc.returncode == 1
-    assert "tinylm export: error: " in proc.stderr and "model vocabulary 400 differs from the tokenizer's 320" \
-        in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        "tinylm export: error: " in proc.stderr
+        and "model vocabulary 400 differs from the tokenizer's 320" in proc.stderr
+        and "Traceback" not in proc.stderr
+    ), proc.stderr
     assert_nothing_written(out)

@@ -100,8 +100,10 @@ def test_temperature_zero_is_greedy_and_sampling_follows_the_distribution():
 def test_generate_is_seeded_crops_context_and_stops_at_eos():
     torch.manual_seed(0)
     model = Transformer(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+
     def run(seed):
         return generate(model, [1, 2, 3], 30, 8, 1.0, 1.0, None, torch.Generator().manual_seed(seed))
+
     a, b, c = run(0), run(0), run(1)
     assert a == b and a != c and len(a) == 30  # 33 ids in all: the context was cropped to 8
     eos = a[4]
@@ -118,10 +120,13 @@ def test_cached_generation_gives_the_reference_ids(temperature, top_p, prompt_le
     """Same seed, same ids, through prefill, single steps and past context_length (and a prompt longer
     than the context)."""
     torch.manual_seed(0)
-    model = Transformer(vocab_size=40, context_length=12, d_model=16, num_layers=2, num_heads=2, d_ff=32,
-                        rope_theta=100.0)
+    model = Transformer(
+        vocab_size=40, context_length=12, d_model=16, num_layers=2, num_heads=2, d_ff=32, rope_theta=100.0
+    )
     prompt = torch.randint(40, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
-    reference = generate_reference(model, prompt, 30, 12, temperature, top_p, None, torch.Generator().manual_seed(3))
+    reference = generate_reference(
+        model, prompt, 30, 12, temperature, top_p, None, torch.Generator().manual_seed(3)
+    )
     cached = generate(model, prompt, 30, 12, temperature, top_p, None, torch.Generator().manual_seed(3))
     assert cached == reference and len(cached) == 30  # prompt + 30 > 12: crossed the context
 
@@ -212,7 +217,9 @@ def test_sample_streams_whole_characters_and_draws_the_generate_ids(tiny_lm):
     prompt = "the king 🙂 "
     out = RecordingStream()
     ids = sample(gen, tiny_lm["checkpoints"], tiny_lm["tokenizer"], prompt, out)
-    assert ids == generate(model, tokenizer.encode(prompt), 60, 64, 1.0, 1.0, eos, torch.Generator().manual_seed(0))
+    assert ids == generate(
+        model, tokenizer.encode(prompt), 60, 64, 1.0, 1.0, eos, torch.Generator().manual_seed(0)
+    )
     text_ids = [i for i in ids if i != eos]
     # Characters split over tokens were drawn, and still came out whole: the output is the one-shot
     # decode (no U+FFFD), written piece by piece as stream_text yields it, each piece flushed.
@@ -227,21 +234,47 @@ def test_sample_cli_prints_the_completion(tiny_lm):
     model, _ = load_model(tiny_lm["checkpoints"])
     eos = tokenizer.special_ids["<|endoftext|>"]
     common = ["--tokenizer", tiny_lm["tokenizer"], "--checkpoint-dir", tiny_lm["checkpoints"]]
-    proc = tinylm("sample", "--prompt", "привет мир", "--max-new-tokens", 40, "--temperature", 0.8,
-                  "--top-p", 0.9, "--seed", 7, *common)
+    proc = tinylm(
+        "sample",
+        "--prompt",
+        "привет мир",
+        "--max-new-tokens",
+        40,
+        "--temperature",
+        0.8,
+        "--top-p",
+        0.9,
+        "--seed",
+        7,
+        *common,
+    )
     assert proc.returncode == 0, proc.stderr
-    ids = generate(model, tokenizer.encode("привет мир"), 40, 64, 0.8, 0.9, eos, torch.Generator().manual_seed(7))
+    ids = generate(
+        model, tokenizer.encode("привет мир"), 40, 64, 0.8, 0.9, eos, torch.Generator().manual_seed(7)
+    )
     assert proc.stdout == tokenizer.decode([i for i in ids if i != eos]) + "\n"
 
 
-
-@pytest.mark.parametrize(("option", "message"), [(["--top-p", "0"], "--top-p: 0.0 is out of range"),
-                                                 (["--seed", "-1"], "--seed: -1 is out of range"),
-                                                 (["--step", "7"], "no published checkpoint of step 7"),
-                                                 (["--prompt", ""], "--prompt: the prompt is empty")])
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--top-p", "0"], "--top-p: 0.0 is out of range"),
+        (["--seed", "-1"], "--seed: -1 is out of range"),
+        (["--step", "7"], "no published checkpoint of step 7"),
+        (["--prompt", ""], "--prompt: the prompt is empty"),
+    ],
+)
 def test_sample_cli_refuses_bad_options(tiny_lm, capsys, option, message):
-    argv = ["sample", "--prompt", "x", *option, "--tokenizer", str(tiny_lm["tokenizer"]),
-            "--checkpoint-dir", str(tiny_lm["checkpoints"])]
+    argv = [
+        "sample",
+        "--prompt",
+        "x",
+        *option,
+        "--tokenizer",
+        str(tiny_lm["tokenizer"]),
+        "--checkpoint-dir",
+        str(tiny_lm["checkpoints"]),
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "tinylm sample: error: " in err and message in err, err
@@ -249,8 +282,9 @@ def test_sample_cli_refuses_bad_options(tiny_lm, capsys, option, message):
 
 def tinylm(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    proc = subprocess.run([sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, cwd=ROOT,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", *map(str, args)], capture_output=True, cwd=ROOT, env=env, timeout=300
+    )
     # Decoded by hand: text=True would turn a generated "\r\n" into "\n".
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 

@@ -133,13 +133,19 @@ def test_the_first_failure_is_reported_not_the_first_one_seen(tmp_path):
     assert (error.rank, error.detail) == (1, "RuntimeError: the real error")
 
     (tmp_path / "1").unlink()  # rank 1 exited without raising; rank 2 was ended by the launcher
-    ended = [SimpleNamespace(exitcode=1, pid=100), SimpleNamespace(exitcode=17, pid=101),
-             SimpleNamespace(exitcode=-signal.SIGTERM, pid=102)]
+    ended = [
+        SimpleNamespace(exitcode=1, pid=100),
+        SimpleNamespace(exitcode=17, pid=101),
+        SimpleNamespace(exitcode=-signal.SIGTERM, pid=102),
+    ]
     error = _first_failure(ended, seen_first, str(tmp_path))
     assert (error.rank, error.detail) == (1, "exited with code 17 (pid 101)")
 
     ended[1].exitcode = -signal.SIGKILL
-    assert str(_first_failure(ended, seen_first, str(tmp_path))) == "rank 1 failed: killed by signal SIGKILL (pid 101)"
+    assert (
+        str(_first_failure(ended, seen_first, str(tmp_path)))
+        == "rank 1 failed: killed by signal SIGKILL (pid 101)"
+    )
 
     ended[1].exitcode = -signal.SIGTERM  # only rank 0 failed on its own
     error = _first_failure(ended, seen_first, str(tmp_path))
@@ -160,9 +166,12 @@ def test_exiting_or_killed_rank_fails_the_job(tmp_path, monkeypatch, action, exp
 def test_a_killed_launcher_leaves_no_rank_behind(tmp_path, sig):
     """Also where SIGINT is ignored, as in a background job (`nohup snakemake ... &`): torch's own
     parent-death signal to its spawned processes is SIGINT, which such ranks would never see."""
-    launcher = subprocess.Popen([sys.executable, str(HELPERS_SCRIPT), "--wait", str(tmp_path)],
-                                env=subprocess_env(), cwd=tmp_path,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    launcher = subprocess.Popen(
+        [sys.executable, str(HELPERS_SCRIPT), "--wait", str(tmp_path)],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline and launcher.poll() is None, "the ranks never started"

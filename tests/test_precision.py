@@ -62,4 +62,7 @@ def test_loss_scaler_follows_torch_grad_scaler_over_overflows_and_growth():
     assert restored.state_dict() == theirs.state_dict()
     disabled = LossScaler(enabled=False)
     disabled.update(True)
-    assert disabled.scale == 1.0 and disabled.state_dict() == {} == torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    assert (
+        disabled.scale == 1.0
+        and disabled.state_dict() == {} == torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    )

@@ -24,8 +24,10 @@ def test_every_code_point_splits_as_in_hugging_face_tokenizers(joiner):
     theirs = hf_pieces(text)
     if ours != theirs:
         first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-        pytest.fail(f"pre-tokens differ from tokenizers' first at {ours[first][:12]!r} vs {theirs[first][:12]!r}; "
-                    f"regex {regex.__version__} has Unicode {unicode_version()}")
+        pytest.fail(
+            f"pre-tokens differ from tokenizers' first at {ours[first][:12]!r} vs {theirs[first][:12]!r}; "
+            f"regex {regex.__version__} has Unicode {unicode_version()}"
+        )
 
 
 def test_the_unicode_version_is_recorded_and_checked(tmp_path, capsys):
@@ -35,8 +37,11 @@ def test_the_unicode_version_is_recorded_and_checked(tmp_path, capsys):
     vocab[256] = b"<|endoftext|>"
     Tokenizer(vocab, [], ["<|endoftext|>"]).save(tmp_path / "tok.json")
     assert f'"unicode_version": "{unicode_version()}"' in (tmp_path / "tok.json").read_text()
-    text = (tmp_path / "tok.json").read_text().replace(f'"unicode_version": "{unicode_version()}"',
-                                                       '"unicode_version": "9.0"')
+    text = (
+        (tmp_path / "tok.json")
+        .read_text()
+        .replace(f'"unicode_version": "{unicode_version()}"', '"unicode_version": "9.0"')
+    )
     (tmp_path / "other.json").write_text(text)
     Tokenizer.load(tmp_path / "other.json")
     warning = capsys.readouterr().err

@@ -20,8 +20,12 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
 # torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner).
 @pytest.mark.parametrize(("optimizer_name", "bucket_mb"), [("torch", 25.0), ("tinylm", 2e-4)])
 def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name, bucket_mb):
-    launch(helpers.sharded_matches_adamw, args=(str(tmp_path), optimizer_name, bucket_mb), world_size=2,
-           timeout_s=60)
+    launch(
+        helpers.sharded_matches_adamw,
+        args=(str(tmp_path), optimizer_name, bucket_mb),
+        world_size=2,
+        timeout_s=60,
+    )
     results = read_results(tmp_path, 2)
     total = results[0]["total_elements"]
     assert sum(r["owned_elements"] for r in results) == total

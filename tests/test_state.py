@@ -40,13 +40,24 @@ def payload(step: int) -> dict:
         model(tokens[:, :-1]).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": step,
-            "tokens_seen": 16 * step, "model_config": CONFIG,
-            "rng": [{"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}, {"torch": torch.zeros(4)}]}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "iteration": step,
+        "tokens_seen": 16 * step,
+        "model_config": CONFIG,
+        "rng": [{"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}, {"torch": torch.zeros(4)}],
+    }
 
 
-MANIFEST = {"world_size": 2, "threads_per_rank": 1, "seed": 0, "structural_hash": "abc",
-            "tokenizer_sha256": "t" * 64, "config": {"train": {"max_iters": 10, "lr_max": 0.1}}}
+MANIFEST = {
+    "world_size": 2,
+    "threads_per_rank": 1,
+    "seed": 0,
+    "structural_hash": "abc",
+    "tokenizer_sha256": "t" * 64,
+    "config": {"train": {"max_iters": 10, "lr_max": 0.1}},
+}
 
 
 def assert_same(a, b, where=""):
@@ -69,7 +80,11 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
         commit(tmp_path, step, payload(step), MANIFEST, keep=2)
     assert committed_steps(tmp_path) == [30, 40]
     manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
-    assert manifest["step"] == 40 and manifest["format"] == FORMAT and manifest["torch_version"] == torch.__version__
+    assert (
+        manifest["step"] == 40
+        and manifest["format"] == FORMAT
+        and manifest["torch_version"] == torch.__version__
+    )
     assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
 
     out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
@@ -85,7 +100,9 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
         weights, published = load_verified(path)
         assert published["contents"] == "weights" and "optimizer" not in weights
         expected = payload(step)
-        assert_same(weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")})
+        assert_same(
+            weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")}
+        )
 
     # The bytes kept: keep x (checkpoint.pt + weights.pt) + (published steps - keep) x weights.pt.
     sizes = {}
@@ -234,8 +251,10 @@ def test_resume_check_names_the_value_that_differs():
 
 
 def test_lock_stops_a_second_trainer(tmp_path):
-    code = ("import sys, time; from tinylm.state import StateLock\n"
-            "with StateLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(30)\n")
+    code = (
+        "import sys, time; from tinylm.state import StateLock\n"
+        "with StateLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(30)\n"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -264,7 +283,9 @@ def test_a_filesystem_without_flock_locks_with_an_exclusive_file(tmp_path, monke
             with StateLock(tmp_path):
                 pass
     assert not (tmp_path / "lock.pid").exists()  # released on exit
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     import socket
 
     (tmp_path / "lock.pid").write_text(f"{socket.gethostname()}:{dead.stdout.strip()}\n")
@@ -287,7 +308,9 @@ def test_every_torch_load_in_the_package_passes_weights_only_true():
             while depth:
                 depth += {"(": 1, ")": -1}.get(text[i], 0)
                 i += 1
-            assert "weights_only=True" in text[match.end():i], f"{path}: torch.load without weights_only=True"
+            assert "weights_only=True" in text[match.end() : i], (
+                f"{path}: torch.load without weights_only=True"
+            )
         assert "pickle.load" not in text, f"{path} uses pickle.load"
     assert calls >= 1
 
@@ -347,14 +370,20 @@ def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_wor
     _, saved = helpers.make_trained(range(3), sharded=False)
     reference_model, _ = helpers.make_trained(range(6), sharded=False)
 
-    launch(helpers.restore_sharded_and_continue, args=(str(state), str(tmp_path), 3, 3), world_size=3,
-           timeout_s=60)
+    launch(
+        helpers.restore_sharded_and_continue,
+        args=(str(state), str(tmp_path), 3, 3),
+        world_size=3,
+        timeout_s=60,
+    )
     resumed = torch.load(tmp_path / "params.pt", weights_only=True)
     assert_same(resumed, reference_model.state_dict())  # bit-identical: the same per-parameter math
     entry = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]["checkpoint.pt"]
     other = sum(n for _, n, _ in entry["other"])
-    model_bytes = sum(t.numel() * t.element_size() for t in reference_model.state_dict().values()) \
-        - reference_model.embed.weight.numel() * 8  # the tied head is one tensor in the file
+    model_bytes = (
+        sum(t.numel() * t.element_size() for t in reference_model.state_dict().values())
+        - reference_model.embed.weight.numel() * 8
+    )  # the tied head is one tensor in the file
     rng = sum(n for _, n, _ in entry["records"]) - model_bytes - _state_bytes(saved)
     for r in _read_results(tmp_path, 3):
         # The model, this rank's own state at world size 3, and the small rest: never the whole state.
@@ -376,8 +405,12 @@ def test_a_checkpoint_slower_than_the_collective_timeout_still_commits(tmp_path)
     from tinylm.parallel import launch
 
     timeout_s = 2.0
-    launch(helpers.checkpoint_with_a_slow_or_hung_rank,
-           args=(str(tmp_path / "state"), str(tmp_path), 0, 0.15), world_size=2, timeout_s=timeout_s)
+    launch(
+        helpers.checkpoint_with_a_slow_or_hung_rank,
+        args=(str(tmp_path / "state"), str(tmp_path), 0, 0.15),
+        world_size=2,
+        timeout_s=timeout_s,
+    )
     results = _read_results(tmp_path, 2)
     assert all(r["save_s"] > timeout_s for r in results)  # everyone waited longer than a collective may
     assert all(r["sum"] == 2.0 for r in results)
@@ -395,8 +428,12 @@ def test_a_rank_that_hangs_while_checkpointing_is_reported_within_the_timeout(tm
     timeout_s = 2.0
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 0 failed") as info:
-        launch(helpers.checkpoint_with_a_slow_or_hung_rank, args=(str(tmp_path / "state"), str(tmp_path), 1, -1),
-               world_size=2, timeout_s=timeout_s)
+        launch(
+            helpers.checkpoint_with_a_slow_or_hung_rank,
+            args=(str(tmp_path / "state"), str(tmp_path), 1, -1),
+            world_size=2,
+            timeout_s=timeout_s,
+        )
     assert time.monotonic() - start < timeout_s + 30
     assert "rank 1 made no progress for 2 s" in str(info.value)
     assert committed_steps(tmp_path / "state") == []

@@ -12,10 +12,13 @@ from tinylm.nn_utils import cross_entropy
 from tinylm.throughput import GPU_PEAK_FLOPS, flops_per_token, gpu_entry, mfu, peak_flops
 
 
-@pytest.mark.parametrize("shape", [dict(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4,
-                                        d_ff=48),
-                                   dict(vocab_size=300, context_length=24, d_model=48, num_layers=1, num_heads=2,
-                                        d_ff=128)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48),
+        dict(vocab_size=300, context_length=24, d_model=48, num_layers=1, num_heads=2, d_ff=128),
+    ],
+)
 def test_flops_per_token_equals_torch_flop_counter_over_a_training_step(shape):
     model = Transformer(**shape)
     model.set_fast_attention(False)  # explicit matmuls for the scores, which the counter sees as such
@@ -44,21 +47,49 @@ def test_peak_flops_by_device_name_and_dtype(monkeypatch):
     assert peak_flops(torch.device("cpu"), torch.float32, tf32=False, override=1e11) == 1e11
 
 
-
-@pytest.mark.parametrize("device_name, entry", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"),
-    ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"), ("NVIDIA A100-SXM4-80GB", "A100"),
-    ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA B200", "B200"),
-    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
-])
+@pytest.mark.parametrize(
+    "device_name, entry",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ],
+)
 def test_each_gpu_name_finds_its_own_row(device_name, entry):
     assert gpu_entry(device_name)[0] == entry
     # Every row is reached by some name (none is shadowed by an earlier, shorter pattern).
-    assert {name for name, _, _ in GPU_PEAK_FLOPS} <= {gpu_entry(n)[0] for n in (
-        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL",
-        "NVIDIA L4", "NVIDIA L40", "NVIDIA L40S", "NVIDIA A10", "NVIDIA A10G", "NVIDIA A100-SXM4-80GB",
-        "Tesla V100-SXM2-16GB", "NVIDIA B200", "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 3090")}
+    assert {name for name, _, _ in GPU_PEAK_FLOPS} <= {
+        gpu_entry(n)[0]
+        for n in (
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA H100 PCIe",
+            "NVIDIA H100 NVL",
+            "NVIDIA H200",
+            "NVIDIA H200 NVL",
+            "NVIDIA L4",
+            "NVIDIA L40",
+            "NVIDIA L40S",
+            "NVIDIA A10",
+            "NVIDIA A10G",
+            "NVIDIA A100-SXM4-80GB",
+            "Tesla V100-SXM2-16GB",
+            "NVIDIA B200",
+            "NVIDIA GeForce RTX 4090",
+            "NVIDIA GeForce RTX 3090",
+        )
+    }
     assert gpu_entry("Some Future GPU") is None
 
 
@@ -69,8 +100,10 @@ def test_mfu_is_achieved_over_peak_of_all_devices():
 
 def test_peak_memory_on_the_cpu_is_the_peak_rss():
     # A fresh process touches and frees 1 GiB: the peak keeps it (less what was already resident).
-    script = ("import torch; from tinylm.throughput import peak_memory_mib as p; cpu = torch.device('cpu'); "
-              "before = p(cpu); block = torch.ones(2**28); del block; print(before, p(cpu))")
+    script = (
+        "import torch; from tinylm.throughput import peak_memory_mib as p; cpu = torch.device('cpu'); "
+        "before = p(cpu); block = torch.ones(2**28); del block; print(before, p(cpu))"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     before, after = map(float, out.split())
     assert 800 <= after - before <= 1100
@@ -82,8 +115,13 @@ def test_step_meter_counts_training_steps_only():
 
     from tinylm.throughput import StepMeter
 
-    meter = StepMeter(tokens_per_step=1000, model_flops_per_token=6e6, peak_per_device=1e12, num_devices=2,
-                      device=torch.device("cpu"))
+    meter = StepMeter(
+        tokens_per_step=1000,
+        model_flops_per_token=6e6,
+        peak_per_device=1e12,
+        num_devices=2,
+        device=torch.device("cpu"),
+    )
     meter.add_step(0.5)
     time.sleep(0.2)  # a validation pass between the steps: not counted
     meter.add_step(1.5)

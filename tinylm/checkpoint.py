@@ -80,8 +80,11 @@ def save_checkpoint(
         torch.save(state, f)  # through a handle: the archive is named "archive", not after tmp
 
 
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                    required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
+def read_checkpoint(
+    path: str | os.PathLike,
+    map_location: str | torch.device = "cpu",
+    required: tuple[str, ...] = REQUIRED_KEYS,
+) -> dict[str, Any]:
     """Load a checkpoint dictionary with weights_only=True and check its `required` entries.
 
     Raises FileNotFoundError if `path` does not exist and CheckpointError if it cannot be loaded
@@ -182,12 +185,18 @@ class Layout:
         missing = [offset for offset, _ in spans if offset not in hashes]
         if missing:
             raise RuntimeError(f"no rank wrote the tensor data at byte offsets {missing[:5]}")
-        return {"bytes": self.size, "records": [[offset, n, hashes[offset]] for offset, n in spans],
-                "other": self.other}
+        return {
+            "bytes": self.size,
+            "records": [[offset, n, hashes[offset]] for offset, n in spans],
+            "other": self.other,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "records": [[list(p), o, n] for p, (o, n) in self.records.items()],
-                "other": self.other}
+        return {
+            "size": self.size,
+            "records": [[list(p), o, n] for p, (o, n) in self.records.items()],
+            "other": self.other,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Layout:
@@ -208,7 +217,9 @@ def plan_file(path: str | os.PathLike, payload: Any) -> Layout:
 
     def fake(_, tensor: torch.Tensor) -> torch.Tensor:
         shared = tensor.device.type != "meta" and tensor.numel() > 0
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if shared else id(tensor)
+        key = (
+            (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if shared else id(tensor)
+        )
         if key not in fakes:
             with mode:
                 fakes[key] = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -217,8 +228,10 @@ def plan_file(path: str | os.PathLike, payload: Any) -> Layout:
     skeleton = map_tensors(payload, fake)
     with torch.serialization.skip_data(materialize_fake_tensors=True), open(path, "wb") as f:
         torch.save(skeleton, f)  # through a handle: the archive is named "archive", not after the file
-    records = {p: (_data_offset(t), t.numel() * t.element_size())
-               for p, t in tensor_leaves(torch.load(path, map_location="meta", weights_only=True))}
+    records = {
+        p: (_data_offset(t), t.numel() * t.element_size())
+        for p, t in tensor_leaves(torch.load(path, map_location="meta", weights_only=True))
+    }
     expected = [p for p, _ in tensor_leaves(payload)]
     if list(records) != expected:
         raise RuntimeError(f"{path}: the planned file does not hold the payload's tensors in order")
@@ -238,8 +251,9 @@ def _data_offset(meta: torch.Tensor) -> int:
     return meta.untyped_storage()._checkpoint_offset + meta.storage_offset() * meta.element_size()
 
 
-def write_tensors(path: str | os.PathLike, items: list[tuple[int, torch.Tensor]],
-                  beat: Callable[[], None] | None = None) -> dict[int, str]:
+def write_tensors(
+    path: str | os.PathLike, items: list[tuple[int, torch.Tensor]], beat: Callable[[], None] | None = None
+) -> dict[int, str]:
     """Write each (offset, tensor) into the planned file `path`; return the sha256 of each, by offset.
 
     Tensors may live on any device; they are copied to the host one piece (CHUNK_BYTES) at a time.
@@ -300,8 +314,10 @@ class CheckpointReader:
             raise FileNotFoundError(f"checkpoint not found: {self.path}")
         size = self.path.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"{self.path}: {size} bytes, its manifest says {entry['bytes']}: the file is "
-                                  f"truncated or was replaced")
+            raise CheckpointError(
+                f"{self.path}: {size} bytes, its manifest says {entry['bytes']}: the file is "
+                f"truncated or was replaced"
+            )
         self._records = {offset: (nbytes, sha) for offset, nbytes, sha in entry["records"]}
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -312,26 +328,35 @@ class CheckpointReader:
             self.close()
             raise
 
-    def read(self, meta: torch.Tensor, device: str | torch.device = "cpu",
-             beat: Callable[[], None] | None = None) -> torch.Tensor:
+    def read(
+        self, meta: torch.Tensor, device: str | torch.device = "cpu", beat: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """A new tensor on `device` holding the data of `meta` (a tensor of `structure`)."""
         out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
         self.read_into(meta, out, beat)
         return out
 
     @torch.no_grad()
-    def read_into(self, meta: torch.Tensor, out: torch.Tensor, beat: Callable[[], None] | None = None) -> None:
+    def read_into(
+        self, meta: torch.Tensor, out: torch.Tensor, beat: Callable[[], None] | None = None
+    ) -> None:
         """Fill the contiguous tensor `out` (same shape and dtype as `meta`) with meta's data, checked."""
         if out.shape != meta.shape or out.dtype != meta.dtype:
-            raise CheckpointError(f"{self.path}: a tensor of shape {tuple(meta.shape)} and dtype {meta.dtype} "
-                                  f"cannot be read into one of shape {tuple(out.shape)} and dtype {out.dtype}")
+            raise CheckpointError(
+                f"{self.path}: a tensor of shape {tuple(meta.shape)} and dtype {meta.dtype} "
+                f"cannot be read into one of shape {tuple(out.shape)} and dtype {out.dtype}"
+            )
         offset, nbytes = _data_offset(meta), meta.numel() * meta.element_size()
         if nbytes == 0:
             return
         if self._records.get(offset, (None,))[0] != nbytes:
-            raise CheckpointError(f"{self.path}: its manifest lists no tensor of {nbytes} bytes at byte {offset}")
+            raise CheckpointError(
+                f"{self.path}: its manifest lists no tensor of {nbytes} bytes at byte {offset}"
+            )
         flat = out.view(-1).view(torch.uint8)  # a view: the bytes of `out` itself
-        staging = None if out.device.type == "cpu" else torch.empty(min(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        staging = (
+            None if out.device.type == "cpu" else torch.empty(min(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        )
         digest = hashlib.sha256()
         for start in range(0, nbytes, CHUNK_BYTES):
             length = min(CHUNK_BYTES, nbytes - start)
@@ -360,8 +385,10 @@ class CheckpointReader:
 
     def _check(self, actual: str, expected: str, offset: int) -> None:
         if actual != expected:
-            raise CheckpointError(f"{self.path}: the bytes at offset {offset} do not match the sha256 in its "
-                                  f"manifest ({actual[:16]}... instead of {expected[:16]}...): the file is corrupt")
+            raise CheckpointError(
+                f"{self.path}: the bytes at offset {offset} do not match the sha256 in its "
+                f"manifest ({actual[:16]}... instead of {expected[:16]}...): the file is corrupt"
+            )
 
     def close(self) -> None:
         if self._fd is not None:
@@ -381,8 +408,10 @@ def verify_file(path: str | os.PathLike, entry: dict[str, Any]) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size != entry["bytes"]:
-        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, its manifest says {entry['bytes']}: the "
-                              f"file is truncated or was replaced")
+        raise CheckpointError(
+            f"{path}: {path.stat().st_size} bytes, its manifest says {entry['bytes']}: the "
+            f"file is truncated or was replaced"
+        )
     ranges = sorted([*entry["records"], *entry["other"]])
     with open(path, "rb") as f:
         for offset, length, sha in ranges:
@@ -395,5 +424,7 @@ def verify_file(path: str | os.PathLike, entry: dict[str, Any]) -> None:
                 digest.update(chunk)
                 left -= len(chunk)
             if digest.hexdigest() != sha:
-                raise CheckpointError(f"{path}: the bytes at offset {offset} do not match the sha256 in its "
-                                      f"manifest: the file is corrupt")
+                raise CheckpointError(
+                    f"{path}: the bytes at offset {offset} do not match the sha256 in its "
+                    f"manifest: the file is corrupt"
+                )

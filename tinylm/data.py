@@ -27,8 +27,10 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.nd
     if tokens.ndim != 1:
         raise ValueError(f"{path}: token file must be 1-D, found shape {tokens.shape}")
     if vocab_size is not None and len(tokens) and (largest := int(tokens.max())) >= vocab_size:
-        raise ValueError(f"{path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size} "
-                         f"(was it encoded with another tokenizer.json?)")
+        raise ValueError(
+            f"{path}: token id {largest} is outside the tokenizer's vocabulary of {vocab_size} "
+            f"(was it encoded with another tokenizer.json?)"
+        )
     return tokens
 
 

@@ -103,9 +103,16 @@ def scan_tokens(tokens: np.ndarray, byte_lengths: np.ndarray) -> TokenStats:
 
 
 @torch.inference_mode()
-def score_tokens(model: torch.nn.Module, tokens: np.ndarray, context_length: int, batch_size: int,
-                 special_ids: list[int], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, progress: bool = False) -> Scores:
+def score_tokens(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    context_length: int,
+    batch_size: int,
+    special_ids: list[int],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> Scores:
     """Summed loss of every predicted token of `tokens`, in fixed windows (see the module docstring).
 
     `model(ids[B, T]) -> logits[B, T, V]`; `tokens` is any 1-D integer array (a memory map is read
@@ -119,12 +126,14 @@ def score_tokens(model: torch.nn.Module, tokens: np.ndarray, context_length: int
     loss_sum = text_loss_sum = 0.0
     count = 0
     span = np.arange(context_length + 1)
-    for first in tqdm(range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=None if progress else True):
+    for first in tqdm(
+        range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=None if progress else True
+    ):
         starts = np.arange(first, min(first + batch_size, num_windows)) * context_length
         full = starts[starts + context_length + 1 <= n]
         groups = [tokens[full[:, None] + span]] if len(full) else []
         if len(full) < len(starts):  # the short last window of the sequence
-            groups.append(np.asarray(tokens[starts[-1]:])[None, :])
+            groups.append(np.asarray(tokens[starts[-1] :])[None, :])
         for windows in groups:
             w = torch.from_numpy(np.asarray(windows, dtype=np.int64)).to(device)
             inputs, targets = w[:, :-1], w[:, 1:]
@@ -140,10 +149,16 @@ def score_tokens(model: torch.nn.Module, tokens: np.ndarray, context_length: int
     return Scores(loss_sum, count, text_loss_sum)
 
 
-def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: str | os.PathLike,
-                         tokenizer: Tokenizer, batch_size: int = 32, device: str = "cpu",
-                         max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
-                         progress: bool = False) -> pd.DataFrame:
+def evaluate_checkpoints(
+    checkpoint_dir: str | os.PathLike,
+    valid_tokens_path: str | os.PathLike,
+    tokenizer: Tokenizer,
+    batch_size: int = 32,
+    device: str = "cpu",
+    max_tokens: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
     """One row per published checkpoint in `checkpoint_dir` (ascending step); see COLUMNS.
 
     Scores the first `max_tokens` validation tokens (default: all). Each checkpoint is verified
@@ -190,10 +205,13 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
             model, _ = state_lib.load_model(checkpoint_dir, step, device)
             check_vocabulary(model.vocab_size, tokenizer, Path(checkpoint_dir) / f"step_{step}.pt")
             if tokens_seen is None:
-                raise CheckpointError(f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
-                                      f"tokens_seen (written by an older tinylm: train again to publish it anew)")
-            scores = score_tokens(model, tokens, model.context_length, batch_size, special_ids, device, dtype,
-                                  progress)
+                raise CheckpointError(
+                    f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                    f"tokens_seen (written by an older tinylm: train again to publish it anew)"
+                )
+            scores = score_tokens(
+                model, tokens, model.context_length, batch_size, special_ids, device, dtype, progress
+            )
             del model
             if cacheable:
                 _write_cache(cache_dir, key, scores)
@@ -202,8 +220,11 @@ def evaluate_checkpoints(checkpoint_dir: str | os.PathLike, valid_tokens_path: s
             scores = cached
             how = "cached"
         rows.append(_row(step, int(tokens_seen), scores, stats))
-        print(f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
-              f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})", file=sys.stderr)
+        print(
+            f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
+            f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})",
+            file=sys.stderr,
+        )
     table = pd.DataFrame(rows, columns=COLUMNS)
     table.attrs["notes"] = _notes(stats, special_ids, tokenizer)
     return table
@@ -243,8 +264,10 @@ def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> l
 def check_vocabulary(model_vocab_size: int, tokenizer: Tokenizer, where: str | os.PathLike) -> None:
     """Refuse a model whose vocabulary is not the tokenizer's (its logits would not mean its ids)."""
     if model_vocab_size != len(tokenizer.vocab):
-        raise ValueError(f"{where}: model vocabulary {model_vocab_size} differs from the tokenizer's "
-                         f"{len(tokenizer.vocab)}")
+        raise ValueError(
+            f"{where}: model vocabulary {model_vocab_size} differs from the tokenizer's "
+            f"{len(tokenizer.vocab)}"
+        )
 
 
 def _cache_path(cache_dir: str | os.PathLike, key: dict) -> Path:
@@ -282,8 +305,12 @@ def notes_path_for(csv_path: str | os.PathLike) -> Path:
     return Path(csv_path).with_name("eval_columns.md")
 
 
-def write_eval(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: str | os.PathLike | None,
-               notes_path: str | os.PathLike | None = None) -> None:
+def write_eval(
+    table: pd.DataFrame,
+    csv_path: str | os.PathLike,
+    plot_path: str | os.PathLike | None,
+    notes_path: str | os.PathLike | None = None,
+) -> None:
     """Write the table as a plain CSV (header line, then one row per checkpoint, fixed float format, so
     that `pd.read_csv` loads it as it is), the notes of `evaluate_checkpoints` (how each column is
     counted) as Markdown to `notes_path`, and the loss curve as PNG to `plot_path`; each file
@@ -292,8 +319,10 @@ def write_eval(table: pd.DataFrame, csv_path: str | os.PathLike, plot_path: str 
         table.to_csv(tmp, index=False, float_format="%.6f", lineterminator="\n")
     if notes_path is not None:
         lines = [f"- {note}" for note in table.attrs.get("notes", [])]
-        atomic_write_text(notes_path, f"# How the columns of {Path(csv_path).name} are counted\n\n"
-                          + "\n".join(lines) + "\n")
+        atomic_write_text(
+            notes_path,
+            f"# How the columns of {Path(csv_path).name} are counted\n\n" + "\n".join(lines) + "\n",
+        )
     if plot_path is None:
         return
     import matplotlib

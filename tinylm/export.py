@@ -57,8 +57,13 @@ class ExportError(ValueError):
     """The model or tokenizer cannot be written as a Hugging Face Llama folder; the message says why."""
 
 
-def export_hf(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
-              output_dir: str | os.PathLike, step: int | None = None, dtype: str = "float32") -> Path:
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    step: int | None = None,
+    dtype: str = "float32",
+) -> Path:
     """Write published checkpoint `step` (default: the newest) and the tokenizer as a Llama folder.
 
     `dtype` ("float32", "bfloat16" or "float16") is the dtype of the saved weights. Returns the
@@ -72,8 +77,10 @@ def export_hf(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLi
     tokenizer = Tokenizer.load(tokenizer_path)
     where = f"{Path(checkpoint_dir) / f'step_{step}.pt'} with {tokenizer_path}"
     if model.vocab_size != len(tokenizer.vocab):
-        raise ExportError(f"{where}: model vocabulary {model.vocab_size} differs from the tokenizer's "
-                          f"{len(tokenizer.vocab)}")
+        raise ExportError(
+            f"{where}: model vocabulary {model.vocab_size} differs from the tokenizer's "
+            f"{len(tokenizer.vocab)}"
+        )
     if EOT not in tokenizer.special_ids:
         raise ExportError(f"{tokenizer_path}: has no {EOT} special token (bos and eos of the export)")
     tokenizer_json = hf_tokenizer_json(tokenizer, where)
@@ -83,11 +90,15 @@ def export_hf(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLi
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         for name, content in hf_configs(model, tokenizer, dtype).items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            (tmp / name).write_text(
+                json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+            )
         difference = check_with_transformers(tmp, model, tokenizer, DTYPES[dtype], where)
-    print(f"[export] step {step} -> {output_dir} ({dtype}); transformers loads it: same token ids on the "
-          f"probe text, logits within {difference:.1e} of ours on {model.context_length} positions",
-          file=sys.stderr)
+    print(
+        f"[export] step {step} -> {output_dir} ({dtype}); transformers loads it: same token ids on the "
+        f"probe text, logits within {difference:.1e} of ours on {model.context_length} positions",
+        file=sys.stderr,
+    )
     return Path(output_dir)
 
 
@@ -123,7 +134,9 @@ def llama_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> 
     out["model.norm.weight"] = ours["ln_final.weight"]
     out["lm_head.weight"] = ours["lm_head.weight"]
     # Own, contiguous storage for each (safetensors refuses views that share memory).
-    return {name: t.detach().to(dtype).clone(memory_format=torch.contiguous_format) for name, t in out.items()}
+    return {
+        name: t.detach().to(dtype).clone(memory_format=torch.contiguous_format) for name, t in out.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,12 +160,17 @@ def hf_tokenizer_json(tokenizer: Tokenizer, where: str = "tokenizer") -> str:
     for i, token in sorted(tokenizer.vocab.items()):
         text = "".join(to_char[b] for b in token)
         if text in vocab:
-            raise ExportError(f"{where}: tokens {vocab[text]} and {i} are both {token!r}; a Hugging Face "
-                              f"vocabulary maps each token to one id, so this tokenizer cannot be exported")
+            raise ExportError(
+                f"{where}: tokens {vocab[text]} and {i} are both {token!r}; a Hugging Face "
+                f"vocabulary maps each token to one id, so this tokenizer cannot be exported"
+            )
         vocab[text] = i
     # Our encoder uses the first merge of a repeated pair; Hugging Face's the last. Keep the first.
-    merges = list(dict.fromkeys(("".join(to_char[b] for b in a), "".join(to_char[b] for b in c))
-                                for a, c in tokenizer.merges))
+    merges = list(
+        dict.fromkeys(
+            ("".join(to_char[b] for b in a), "".join(to_char[b] for b in c)) for a, c in tokenizer.merges
+        )
+    )
     hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex
     hf.decoder = decoders.ByteLevel()
@@ -160,8 +178,10 @@ def hf_tokenizer_json(tokenizer: Tokenizer, where: str = "tokenizer") -> str:
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokenizer.special_tokens])
     for token, i in tokenizer.special_ids.items():
         if hf.token_to_id(token) != i:  # the special token's bytes are also an ordinary token's
-            raise ExportError(f"{where}: special token {token!r} (id {i}) cannot be expressed: Hugging Face "
-                              f"gives it id {hf.token_to_id(token)}")
+            raise ExportError(
+                f"{where}: special token {token!r} (id {i}) cannot be expressed: Hugging Face "
+                f"gives it id {hf.token_to_id(token)}"
+            )
     return hf.to_str(pretty=True) + "\n"
 
 
@@ -170,7 +190,11 @@ def hf_configs(model: Transformer, tokenizer: Tokenizer, dtype: str) -> dict[str
     c = model.config
     eot_id = tokenizer.special_ids[EOT]
     others = [t for t in tokenizer.special_tokens if t != EOT]
-    special = {"bos_token": EOT, "eos_token": EOT, **({"additional_special_tokens": others} if others else {})}
+    special = {
+        "bos_token": EOT,
+        "eos_token": EOT,
+        **({"additional_special_tokens": others} if others else {}),
+    }
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -202,16 +226,21 @@ def hf_configs(model: Transformer, tokenizer: Tokenizer, dtype: str) -> dict[str
         "model_max_length": c["context_length"],
     }
     generation = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
-    return {"config.json": config, "tokenizer_config.json": tokenizer_config,
-            "special_tokens_map.json": special, "generation_config.json": generation}
+    return {
+        "config.json": config,
+        "tokenizer_config.json": tokenizer_config,
+        "special_tokens_map.json": special,
+        "generation_config.json": generation,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
 # the check
 
 
-def check_with_transformers(folder: Path, model: Transformer, tokenizer: Tokenizer, dtype: torch.dtype,
-                            where: str) -> float:
+def check_with_transformers(
+    folder: Path, model: Transformer, tokenizer: Tokenizer, dtype: torch.dtype, where: str
+) -> float:
     """Load `folder` with transformers; compare token ids and logits with ours; return the largest
     logit difference. The comparison runs in float32, with `model`'s weights rounded to `dtype`
     first (in place: the model is the exporter's own copy)."""
@@ -229,11 +258,15 @@ def check_with_transformers(folder: Path, model: Transformer, tokenizer: Tokeniz
     with torch.no_grad():
         for p in model.parameters():  # the weights as saved
             p.copy_(p.to(dtype))
-        ids = torch.randint(model.vocab_size, (1, model.context_length), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            model.vocab_size, (1, model.context_length), generator=torch.Generator().manual_seed(0)
+        )
         expected = model(ids)
         actual = hf_model(ids).logits
     difference = float((actual - expected).abs().max())
     if not difference <= LOGITS_RTOL * max(1.0, float(expected.abs().max())):
-        raise ExportError(f"{where}: transformers' logits differ from ours by {difference:.3g}; "
-                          "the export does not reproduce the model")
+        raise ExportError(
+            f"{where}: transformers' logits differ from ours by {difference:.3g}; "
+            "the export does not reproduce the model"
+        )
     return difference

@@ -55,7 +55,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
     return ids[order[:n]], kept[:n]
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
     """One token id from the last-position logits [V]; temperature 0 means greedy (argmax)."""
     logits = logits.float()
     if temperature == 0.0:
@@ -65,9 +67,16 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 @torch.no_grad()
-def generate_reference(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, context_length: int,
-                       temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
-                       generator: torch.Generator | None = None) -> list[int]:
+def generate_reference(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    context_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """The oracle: recompute the whole context for every new id; returns only the new ids.
 
     The context is the last `context_length` ids, at positions 0 .. len - 1. Generation stops after
@@ -90,9 +99,16 @@ def generate_reference(model: torch.nn.Module, prompt_ids: list[int], max_new_to
 
 
 @torch.no_grad()
-def stream_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, context_length: int,
-                    temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
-                    generator: torch.Generator | None = None) -> Iterator[int]:
+def stream_generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    context_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
     """Yield the ids of `generate_reference`, one at a time, computing each with a KV cache.
 
     The prompt is run once (prefill), then each new id is one more position. Once the ids outgrow
@@ -110,7 +126,9 @@ def stream_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: i
         if len(ids) > context_length:
             logits = model(torch.tensor([ids[-context_length:]], dtype=torch.long, device=device))
         else:  # the ids not yet in the cache: the whole prompt first, then the newest id
-            logits = model(torch.tensor([ids[cache.length:]], dtype=torch.long, device=device), kv_cache=cache)
+            logits = model(
+                torch.tensor([ids[cache.length :]], dtype=torch.long, device=device), kv_cache=cache
+            )
         next_id = sample_next(logits[0, -1].cpu(), temperature, top_p, generator)
         ids.append(next_id)
         yield next_id
@@ -118,12 +136,22 @@ def stream_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: i
             return
 
 
-def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, context_length: int,
-             temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    context_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """The new ids (the KV-cache path of `stream_generate`); `eos_id`, if drawn, is the last one."""
-    return list(stream_generate(model, prompt_ids, max_new_tokens, context_length, temperature, top_p, eos_id,
-                                generator))
+    return list(
+        stream_generate(
+            model, prompt_ids, max_new_tokens, context_length, temperature, top_p, eos_id, generator
+        )
+    )
 
 
 def stream_text(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
@@ -144,8 +172,9 @@ def stream_text(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
         yield text
 
 
-def load_for_sampling(checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
-                      step: int | None = None) -> tuple[Transformer, Tokenizer, int, int]:
+def load_for_sampling(
+    checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike, step: int | None = None
+) -> tuple[Transformer, Tokenizer, int, int]:
     """(model, tokenizer, step, id of <|endoftext|>) of a published checkpoint, on CUDA if there is one.
 
     The model's vocabulary must be the tokenizer's, and the tokenizer must have <|endoftext|>.
@@ -153,15 +182,22 @@ def load_for_sampling(checkpoint_dir: str | os.PathLike, tokenizer_path: str | o
     tokenizer = Tokenizer.load(tokenizer_path)
     model, step = load_model(checkpoint_dir, step, "cuda" if torch.cuda.is_available() else "cpu")
     if model.vocab_size != len(tokenizer.vocab):
-        raise ValueError(f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} "
-                         f"differs from {tokenizer_path}'s {len(tokenizer.vocab)}")
+        raise ValueError(
+            f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} "
+            f"differs from {tokenizer_path}'s {len(tokenizer.vocab)}"
+        )
     if "<|endoftext|>" not in tokenizer.special_ids:
         raise ValueError(f"{tokenizer_path}: has no <|endoftext|> special token to end samples with")
     return model, tokenizer, step, tokenizer.special_ids["<|endoftext|>"]
 
 
-def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike,
-                  output_path: str | os.PathLike, eval_path: str | os.PathLike | None = None) -> str:
+def write_samples(
+    gen_cfg,
+    checkpoint_dir: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    eval_path: str | os.PathLike | None = None,
+) -> str:
     """Sample a completion for every configured prompt from the newest checkpoint; write them all.
 
     One generator seeded with `gen_cfg.seed` draws every sample, so the file is reproducible. With
@@ -175,29 +211,49 @@ def write_samples(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: st
     model, tokenizer, step, eos_id = load_for_sampling(checkpoint_dir, tokenizer_path)
     generator = torch.Generator().manual_seed(gen_cfg.seed)
 
-    parts = [f"# tinylm samples: checkpoint step {step}, temperature {gen_cfg.temperature}, "
-             f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"]
+    parts = [
+        f"# tinylm samples: checkpoint step {step}, temperature {gen_cfg.temperature}, "
+        f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"
+    ]
     if eval_path is not None:
         rows = pd.read_csv(eval_path)  # a plain CSV (see evaluation.write_eval)
         row = rows[rows["step"] == step]
         if row.empty:
             raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")
-        parts.append(f"# exact validation loss {row['val_loss'].iloc[0]:.4f} nats per token, "
-                     f"{row['bits_per_byte'].iloc[0]:.4f} bits per byte\n")
+        parts.append(
+            f"# exact validation loss {row['val_loss'].iloc[0]:.4f} nats per token, "
+            f"{row['bits_per_byte'].iloc[0]:.4f} bits per byte\n"
+        )
     for i, prompt in enumerate(gen_cfg.prompts, start=1):
-        new = generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, model.context_length,
-                       gen_cfg.temperature, gen_cfg.top_p, eos_id, generator)
+        new = generate(
+            model,
+            tokenizer.encode(prompt),
+            gen_cfg.max_new_tokens,
+            model.context_length,
+            gen_cfg.temperature,
+            gen_cfg.top_p,
+            eos_id,
+            generator,
+        )
         ended = "stopped at <|endoftext|>" if new and new[-1] == eos_id else f"{len(new)} tokens"
         completion = tokenizer.decode([t for t in new if t != eos_id])
-        parts.append(f"\n===== sample {i} ({ended}) =====\n----- prompt -----\n{prompt}\n"
-                     f"----- completion -----\n{completion}\n")
+        parts.append(
+            f"\n===== sample {i} ({ended}) =====\n----- prompt -----\n{prompt}\n"
+            f"----- completion -----\n{completion}\n"
+        )
     text = "".join(parts)
     atomic_write_text(output_path, text)
     return text
 
 
-def sample(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike, prompt: str,
-           out: TextIO, step: int | None = None) -> list[int]:
+def sample(
+    gen_cfg,
+    checkpoint_dir: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
+    prompt: str,
+    out: TextIO,
+    step: int | None = None,
+) -> list[int]:
     """Write the completion of `prompt` to `out` as it is generated; return its ids.
 
     `gen_cfg` gives max_new_tokens, temperature, top_p, seed and threads (the generate section,
@@ -211,8 +267,16 @@ def sample(gen_cfg, checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.
     new: list[int] = []
 
     def ids() -> Iterator[int]:
-        for i in stream_generate(model, tokenizer.encode(prompt), gen_cfg.max_new_tokens, model.context_length,
-                                 gen_cfg.temperature, gen_cfg.top_p, eos_id, generator):
+        for i in stream_generate(
+            model,
+            tokenizer.encode(prompt),
+            gen_cfg.max_new_tokens,
+            model.context_length,
+            gen_cfg.temperature,
+            gen_cfg.top_p,
+            eos_id,
+            generator,
+        ):
             new.append(i)
             if i != eos_id:
                 yield i

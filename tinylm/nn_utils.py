@@ -90,7 +90,9 @@ def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def scale_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> None:
+def scale_to_norm(
+    grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6
+) -> None:
     """Multiply `grads` in place by min(1, max_norm / (total_norm + eps)): the clip of `gradient_clip`."""
     # A tensor factor clamped at 1 rather than an `if`: no device-to-host sync on GPUs.
     scale = (max_norm / (total_norm + eps)).clamp(max=1.0)

@@ -66,8 +66,14 @@ class LossScaler:
     `state_dict()` has GradScaler's keys and values.
     """
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_factor = growth_factor
@@ -96,8 +102,13 @@ class LossScaler:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {}
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self.growth_tracker,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if not self.enabled or not state:

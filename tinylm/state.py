@@ -111,17 +111,26 @@ def _steps(folder: str | os.PathLike, pattern: re.Pattern, manifest_of) -> list[
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in folder.iterdir()
-                  if (m := pattern.match(p.name)) and manifest_of(p).is_file())
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := pattern.match(p.name)) and manifest_of(p).is_file()
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Saving
 
 
-def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer, manifest: dict[str, Any], entries: dict[str, Any] | None = None,
-              per_rank: dict[str, Any] | None = None, keep: int = 2) -> Path:
+def save_step(
+    ctx,
+    state_dir: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    manifest: dict[str, Any],
+    entries: dict[str, Any] | None = None,
+    per_rank: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
     """Collective: commit `step` of this run to `state_dir`; every rank calls it. Returns the folder.
 
     ctx: the rank's RankContext (rank, world_size, store, timeout_s); model: the model (not a DDP
@@ -147,7 +156,9 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         gathered = [per_rank]
 
     # Who writes each tensor: a parameter's owner its weights and optimizer state, rank 0 the rest.
-    owners = [optimizer.owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
+    owners = (
+        [optimizer.owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
+    )
     owner_of_storage = {p.data_ptr(): optimizer.owner[p] for p in optimizer.owner} if sharded else {}
     model_writer = {name: owner_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
 
@@ -164,24 +175,42 @@ def save_step(ctx, state_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         checkpoint |= entries | {key: [values[key] for values in gathered] for key in per_rank}
         weights |= entries
     heartbeat = Heartbeat(ctx.store, rank, world_size, ctx.timeout_s, f"commit/{step}")
-    return _commit_files(heartbeat, state_dir, step, {CHECKPOINT: checkpoint, WEIGHTS: weights}, writer_of,
-                         {**manifest, "world_size": world_size}, keep)
+    return _commit_files(
+        heartbeat,
+        state_dir,
+        step,
+        {CHECKPOINT: checkpoint, WEIGHTS: weights},
+        writer_of,
+        {**manifest, "world_size": world_size},
+        keep,
+    )
 
 
-def commit(state_dir: str | os.PathLike, step: int, payload: dict[str, Any], manifest: dict[str, Any],
-           keep: int = 2) -> Path:
+def commit(
+    state_dir: str | os.PathLike, step: int, payload: dict[str, Any], manifest: dict[str, Any], keep: int = 2
+) -> Path:
     """One process: commit `payload` (a full checkpoint dict) as `step`; see `save_step`.
 
     weights.pt gets the payload's entries but "optimizer" and lists (per-rank entries).
     """
-    weights = {key: value for key, value in payload.items() if key != "optimizer" and not isinstance(value, list)}
+    weights = {
+        key: value for key, value in payload.items() if key != "optimizer" and not isinstance(value, list)
+    }
     heartbeat = Heartbeat(None, 0, 1, 1.0, f"commit/{step}")
-    return _commit_files(heartbeat, state_dir, step, {CHECKPOINT: payload, WEIGHTS: weights}, lambda path: 0,
-                         manifest, keep)
+    return _commit_files(
+        heartbeat, state_dir, step, {CHECKPOINT: payload, WEIGHTS: weights}, lambda path: 0, manifest, keep
+    )
 
 
-def _commit_files(heartbeat: Heartbeat, state_dir: str | os.PathLike, step: int, files: dict[str, Any],
-                  writer_of, manifest: dict[str, Any], keep: int) -> Path:
+def _commit_files(
+    heartbeat: Heartbeat,
+    state_dir: str | os.PathLike,
+    step: int,
+    files: dict[str, Any],
+    writer_of,
+    manifest: dict[str, Any],
+    keep: int,
+) -> Path:
     """Write `files` ({name: payload}) of a step folder from every rank, then (rank 0) commit it.
 
     Rank 0's payloads are complete; another rank's need only hold the tensors it writes, at the
@@ -201,26 +230,37 @@ def _commit_files(heartbeat: Heartbeat, state_dir: str | os.PathLike, step: int,
 
         hashes = {}
         for name, payload in files.items():
-            mine = [(layouts[name].records[path][0], tensor) for path, tensor in tensor_leaves(payload)
-                    if writer_of(path) == rank]
+            mine = [
+                (layouts[name].records[path][0], tensor)
+                for path, tensor in tensor_leaves(payload)
+                if writer_of(path) == rank
+            ]
             if any(tensor.device.type == "meta" for _, tensor in mine):
                 raise RuntimeError(f"rank {rank} was asked to write a tensor it does not hold")
             hashes[name] = write_tensors(folder / name, mine, heartbeat.beat)
         heartbeat.post(f"hashes/{rank}", json.dumps(hashes))
 
         if rank == 0:
-            written = heartbeat.wait({f"hashes/{r}": r for r in range(world_size)}, "writing its checkpoint tensors")
+            written = heartbeat.wait(
+                {f"hashes/{r}": r for r in range(world_size)}, "writing its checkpoint tensors"
+            )
             merged: dict[str, dict[int, str]] = {name: {} for name in files}
             for value in written.values():
                 for name, by_offset in json.loads(value).items():
                     merged[name].update({int(offset): sha for offset, sha in by_offset.items()})
             fsync_dir(folder)
             described = {name: layouts[name].entry(merged[name]) for name in files}
-            manifest = {**manifest, "format": FORMAT, "step": step, "torch_version": torch.__version__,
-                        "files": described}
+            manifest = {
+                **manifest,
+                "format": FORMAT,
+                "step": step,
+                "torch_version": torch.__version__,
+                "files": described,
+            }
             if "model" in files.get(WEIGHTS, {}):
-                manifest["weights_sha256"] = _weights_sha256(files[WEIGHTS]["model"], layouts[WEIGHTS],
-                                                             merged[WEIGHTS])
+                manifest["weights_sha256"] = _weights_sha256(
+                    files[WEIGHTS]["model"], layouts[WEIGHTS], merged[WEIGHTS]
+                )
             atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             _republish(Path(state_dir))
             _prune(Path(state_dir), keep)
@@ -334,8 +374,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: manifest has no 'files' table")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: manifest of format {manifest.get('format')!r}, this tinylm reads format "
-                              f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)")
+        raise CheckpointError(
+            f"{path}: manifest of format {manifest.get('format')!r}, this tinylm reads format "
+            f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)"
+        )
     return manifest
 
 
@@ -346,8 +388,11 @@ def _file_entry(manifest: dict[str, Any], name: str, manifest_path: Path) -> dic
     return entry
 
 
-def load_verified(checkpoint_path: str | os.PathLike, manifest_path: str | os.PathLike | None = None,
-                  map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+def load_verified(
+    checkpoint_path: str | os.PathLike,
+    manifest_path: str | os.PathLike | None = None,
+    map_location: str | torch.device = "cpu",
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check a checkpoint's every byte against its manifest (one pass), then load it with weights_only=True.
 
     `manifest_path` defaults to `step_N.json` beside a published `step_N.pt`, or `manifest.json` in
@@ -358,7 +403,9 @@ def load_verified(checkpoint_path: str | os.PathLike, manifest_path: str | os.Pa
     """
     path = Path(checkpoint_path)
     if manifest_path is None:
-        manifest_path = path.parent / MANIFEST if path.name in (CHECKPOINT, WEIGHTS) else path.with_suffix(".json")
+        manifest_path = (
+            path.parent / MANIFEST if path.name in (CHECKPOINT, WEIGHTS) else path.with_suffix(".json")
+        )
     manifest = read_manifest(manifest_path)
     verify_file(path, _file_entry(manifest, path.name, Path(manifest_path)))
     weights_only = manifest.get("contents") == "weights" or path.name == WEIGHTS
@@ -370,8 +417,9 @@ def published_manifest(checkpoint_dir: str | os.PathLike, step: int) -> dict[str
     return read_manifest(Path(checkpoint_dir) / f"step_{step}.json")
 
 
-def load_model(checkpoint_dir: str | os.PathLike, step: int | None = None,
-               device: str | torch.device = "cpu") -> tuple[Transformer, int]:
+def load_model(
+    checkpoint_dir: str | os.PathLike, step: int | None = None, device: str | torch.device = "cpu"
+) -> tuple[Transformer, int]:
     """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
 
     Only the model's tensors are read, one at a time, straight into the parameters, each checked
@@ -395,8 +443,9 @@ def load_model(checkpoint_dir: str | os.PathLike, step: int | None = None,
         config = saved.get("model_config") if isinstance(saved, dict) else None
         expected_keys = set(inspect.signature(Transformer).parameters) - {"device", "dtype"}
         if not isinstance(config, dict) or set(config) != expected_keys:
-            raise CheckpointError(f"{path}: model_config {config!r} does not hold exactly the keys "
-                                  f"{sorted(expected_keys)}")
+            raise CheckpointError(
+                f"{path}: model_config {config!r} does not hold exactly the keys {sorted(expected_keys)}"
+            )
         if not isinstance(saved.get("model"), dict):
             raise CheckpointError(f"checkpoint {path} lacks the entry 'model'")
         dtypes = {meta.dtype for meta in saved["model"].values()}
@@ -424,8 +473,9 @@ def _uninitialised_model(config: dict[str, Any], dtype: torch.dtype | None) -> T
     return model
 
 
-def restore_step(ctx, state_dir: str | os.PathLike, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+def restore_step(
+    ctx, state_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any] | None:
     """Load the newest committed step into `model` and `optimizer` on every rank; None if there is none.
 
     Collective in the sense that every rank calls it and they leave together (through the store,
@@ -447,35 +497,45 @@ def restore_step(ctx, state_dir: str | os.PathLike, model: torch.nn.Module,
             raise CheckpointError(f"checkpoint {path} lacks one of the entries {list(REQUIRED_KEYS)}")
         _read_model(reader, saved["model"], model, heartbeat.beat)
         _read_optimizer(reader, saved["optimizer"], optimizer, heartbeat.beat)
-        rest = map_tensors({key: value for key, value in saved.items() if key not in ("model", "optimizer")},
-                           lambda _, meta: reader.read(meta, "cpu", heartbeat.beat))
+        rest = map_tensors(
+            {key: value for key, value in saved.items() if key not in ("model", "optimizer")},
+            lambda _, meta: reader.read(meta, "cpu", heartbeat.beat),
+        )
     heartbeat.barrier("restored")
     return rest
 
 
-def _read_model(reader: CheckpointReader, saved: dict[str, torch.Tensor], model: torch.nn.Module, beat) -> None:
+def _read_model(
+    reader: CheckpointReader, saved: dict[str, torch.Tensor], model: torch.nn.Module, beat
+) -> None:
     """Read every entry of the saved state dict straight into the model's parameters and buffers."""
     target = model.state_dict()
     if saved.keys() != target.keys():
         missing, unexpected = sorted(target.keys() - saved.keys()), sorted(saved.keys() - target.keys())
-        raise CheckpointError(f"{reader.path}: its weights do not fit the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{reader.path}: its weights do not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     done = set()
     for name, meta in saved.items():
         tensor = target[name]
         if tensor.shape != meta.shape:
-            raise CheckpointError(f"{reader.path}: its weights do not fit the model: {name!r} has shape "
-                                  f"{tuple(meta.shape)}, the model's {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"{reader.path}: its weights do not fit the model: {name!r} has shape "
+                f"{tuple(meta.shape)}, the model's {tuple(tensor.shape)}"
+            )
         if tensor.dtype != meta.dtype:
-            raise CheckpointError(f"{reader.path}: model entry {name!r} has dtype {meta.dtype}, the model's "
-                                  f"{tensor.dtype}")
+            raise CheckpointError(
+                f"{reader.path}: model entry {name!r} has dtype {meta.dtype}, the model's {tensor.dtype}"
+            )
         if tensor.data_ptr() not in done:  # tied weights are one tensor
             reader.read_into(meta, tensor, beat)
             done.add(tensor.data_ptr())
 
 
-def _read_optimizer(reader: CheckpointReader, saved: dict[str, Any], optimizer: torch.optim.Optimizer,
-                    beat) -> None:
+def _read_optimizer(
+    reader: CheckpointReader, saved: dict[str, Any], optimizer: torch.optim.Optimizer, beat
+) -> None:
     """Read the state of the parameters this rank's optimizer steps (all, or its own share) and load it.
 
     State tensors go to their parameter's device, except `step` counters, which stay on the CPU.
@@ -485,23 +545,33 @@ def _read_optimizer(reader: CheckpointReader, saved: dict[str, Any], optimizer: 
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
-            raise CheckpointError(f"{reader.path}: optimizer state for parameter {index}, the optimizer has "
-                                  f"{len(params)}")
+            raise CheckpointError(
+                f"{reader.path}: optimizer state for parameter {index}, the optimizer has {len(params)}"
+            )
         if sharded and optimizer.owner[params[index]] != optimizer.rank:
             continue
-        state[index] = {name: reader.read(value, "cpu" if name == "step" else params[index].device, beat)
-                        if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
+        state[index] = {
+            name: reader.read(value, "cpu" if name == "step" else params[index].device, beat)
+            if isinstance(value, torch.Tensor)
+            else value
+            for name, value in entry.items()
+        }
     try:
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     except ValueError as e:
-        raise CheckpointError(f"{reader.path}: the optimizer state does not fit this optimizer: {e}") from None
+        raise CheckpointError(
+            f"{reader.path}: the optimizer state does not fit this optimizer: {e}"
+        ) from None
 
 
 def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
     """Refuse a resume whose manifest differs from this run in a key of RESUME_KEYS."""
     expected = {"format": FORMAT, **expected}
-    differences = [(key, manifest.get(key), expected[key]) for key in RESUME_KEYS
-                   if key in expected and manifest.get(key) != expected[key]]
+    differences = [
+        (key, manifest.get(key), expected[key])
+        for key in RESUME_KEYS
+        if key in expected and manifest.get(key) != expected[key]
+    ]
     # A weight key that one side leaves out (see tinylm.config.weight_config) is at its default there:
     # an AdamW state has no train.optimizer, and a Muon run is still refused on it, and the reverse.
     # Keys are checked in the config's order (train.optimizer before the keys that depend on it).
@@ -553,8 +623,12 @@ class StateLock:
             os.close(fd)
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
                 raise
-            print(f"[pretrain] {self.path.parent}: this filesystem has no flock ({errno.errorcode[e.errno]}); "
-                  f"locking with the file {self.path.name}.pid instead", file=sys.stderr, flush=True)
+            print(
+                f"[pretrain] {self.path.parent}: this filesystem has no flock ({errno.errorcode[e.errno]}); "
+                f"locking with the file {self.path.name}.pid instead",
+                file=sys.stderr,
+                flush=True,
+            )
             self._take_exclusive_file()
             return self
         os.ftruncate(fd, 0)
@@ -573,8 +647,10 @@ class StateLock:
                 if host == socket.gethostname() and pid.isdigit() and not _process_exists(int(pid)):
                     path.unlink(missing_ok=True)  # left by a trainer that died: take it over
                     continue
-                raise CheckpointError(f"{self.path.parent}: another trainer ({holder or 'unknown'}) is using this "
-                                      f"state folder (delete {path} if no trainer runs)") from None
+                raise CheckpointError(
+                    f"{self.path.parent}: another trainer ({holder or 'unknown'}) is using this "
+                    f"state folder (delete {path} if no trainer runs)"
+                ) from None
             os.write(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode())
             os.close(fd)
             self._exclusive = path

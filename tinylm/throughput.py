@@ -64,7 +64,9 @@ def flops_per_token(model_config: dict) -> float:
     return 6.0 * matmul_weights + 12.0 * L * d * T
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool, override: float | None = None) -> float | None:
+def peak_flops(
+    device: torch.device, dtype: torch.dtype, tf32: bool, override: float | None = None
+) -> float | None:
     """Peak FLOP/s of one device for matmuls in `dtype` (None when unknown).
 
     `override` (train.peak_flops) wins; otherwise CUDA devices are looked up in GPU_PEAK_FLOPS: the
@@ -83,8 +85,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool, override: f
     return peaks.get(kind) or (peaks["float32"] if dtype == torch.float32 else None)
 
 
-def mfu(tokens_per_s: float, model_flops_per_token: float, peak_per_device: float | None,
-        num_devices: int) -> float | None:
+def mfu(
+    tokens_per_s: float, model_flops_per_token: float, peak_per_device: float | None, num_devices: int
+) -> float | None:
     """Model FLOPs utilisation in [0, 1] (None when the peak is unknown)."""
     if peak_per_device is None:
         return None
@@ -117,8 +120,14 @@ class StepMeter:
     own). `report()` gives the rate since the previous report and the ETA from the mean step time.
     """
 
-    def __init__(self, tokens_per_step: int, model_flops_per_token: float, peak_per_device: float | None,
-                 num_devices: int, device: torch.device):
+    def __init__(
+        self,
+        tokens_per_step: int,
+        model_flops_per_token: float,
+        peak_per_device: float | None,
+        num_devices: int,
+        device: torch.device,
+    ):
         self.tokens_per_step = tokens_per_step
         self.model_flops_per_token = model_flops_per_token
         self.peak_per_device = peak_per_device
@@ -145,5 +154,8 @@ class StepMeter:
         utilisation = mfu(tok_s, self.model_flops_per_token, self.peak_per_device, self.num_devices)
         eta = steps_left * self._total_s / max(self._total_steps, 1)
         self._window_s, self._window_steps = 0.0, 0
-        return (f"{tok_s:,.0f} tok/s" + ("" if utilisation is None else f" MFU {100 * utilisation:.1f}%")
-                + f" peak mem {peak_memory_mib(self.device):,.0f} MiB ETA {eta:.0f}s")
+        return (
+            f"{tok_s:,.0f} tok/s"
+            + ("" if utilisation is None else f" MFU {100 * utilisation:.1f}%")
+            + f" peak mem {peak_memory_mib(self.device):,.0f} MiB ETA {eta:.0f}s"
+        )

@@ -74,10 +74,18 @@ def batch_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(int(mixed))
 
 
-def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os.PathLike,
-          valid_tokens: str | os.PathLike, state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike,
-          tensorboard_dir: str | os.PathLike | None = None, *, param_dtype: torch.dtype = torch.float32,
-          run_name: str | None = None) -> list[Path]:
+def train(
+    cfg: Config,
+    tokenizer_path: str | os.PathLike,
+    train_tokens: str | os.PathLike,
+    valid_tokens: str | os.PathLike,
+    state_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike,
+    tensorboard_dir: str | os.PathLike | None = None,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    run_name: str | None = None,
+) -> list[Path]:
     """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
 
     Every check that can fail before training runs here, in the launching process, so that a bad
@@ -96,8 +104,10 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
     for path in (train_tokens, valid_tokens):  # dtype, shape and largest id, then the length
         num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
         if num_tokens < context_length + 1:
-            raise ValueError(f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
-                             f"(model.context_length + 1)")
+            raise ValueError(
+                f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
+                f"(model.context_length + 1)"
+            )
 
     state_dir = Path(state_dir)
     model_config = model_config_of(cfg, vocab_size)
@@ -120,25 +130,51 @@ def train(cfg: Config, tokenizer_path: str | os.PathLike, train_tokens: str | os
             state_lib.check_resumable(manifest, run, state_dir)
             note = ""
             if manifest.get("world_size") != t.world_size:
-                note = (f" (written at world size {manifest.get('world_size')}, continued at {t.world_size}: the "
-                        f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)")
+                note = (
+                    f" (written at world size {manifest.get('world_size')}, continued at {t.world_size}: the "
+                    f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)"
+                )
             if steps[-1] >= t.max_iters:
-                _log(is_rank0, f"the run is finished: step {steps[-1]}/{t.max_iters} is committed in {state_dir}; "
-                               f"nothing to train, publishing its checkpoints again to {checkpoint_dir}")
+                _log(
+                    is_rank0,
+                    f"the run is finished: step {steps[-1]}/{t.max_iters} is committed in {state_dir}; "
+                    f"nothing to train, publishing its checkpoints again to {checkpoint_dir}",
+                )
             else:
                 _log(is_rank0, f"resuming from step {steps[-1]} in {state_dir}{note}")
         if not steps or steps[-1] < t.max_iters:
-            args = (cfg, model_config, run, str(train_tokens), str(valid_tokens), str(state_dir),
-                    None if tensorboard_dir is None else str(tensorboard_dir), param_dtype, train_seconds, run_name)
-            launch(_train, args=args, world_size=t.world_size, backend=backend,
-                   threads_per_rank=t.threads_per_rank, timeout_s=t.timeout_s)
+            args = (
+                cfg,
+                model_config,
+                run,
+                str(train_tokens),
+                str(valid_tokens),
+                str(state_dir),
+                None if tensorboard_dir is None else str(tensorboard_dir),
+                param_dtype,
+                train_seconds,
+                run_name,
+            )
+            launch(
+                _train,
+                args=args,
+                world_size=t.world_size,
+                backend=backend,
+                threads_per_rank=t.threads_per_rank,
+                timeout_s=t.timeout_s,
+            )
         if not is_rank0:
             return []
         published = state_lib.publish(state_dir, checkpoint_dir)
         steps = [p.stem.removeprefix("step_") for p in published]
-        listed = ", ".join(steps) if len(steps) <= 6 else f"{', '.join(steps[:2])}, ..., {', '.join(steps[-2:])}"
-        _log(True, f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: "
-                   f"{state_dir})")
+        listed = (
+            ", ".join(steps) if len(steps) <= 6 else f"{', '.join(steps[:2])}, ..., {', '.join(steps[-2:])}"
+        )
+        _log(
+            True,
+            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: "
+            f"{state_dir})",
+        )
         return published
 
 
@@ -156,19 +192,25 @@ def resolve_backend(backend: str, world_size: int) -> str:
     ranks_here = ranks_on_this_machine(world_size)
     if backend == "nccl":
         if count == 0:
-            raise ValueError("train.backend: 'nccl' needs CUDA devices, and none is available here "
-                             "(use 'auto' or 'gloo' on a CPU machine)")
+            raise ValueError(
+                "train.backend: 'nccl' needs CUDA devices, and none is available here "
+                "(use 'auto' or 'gloo' on a CPU machine)"
+            )
         if ranks_here > count:
-            raise ValueError(f"train.world_size: {ranks_here} ranks on this machine with train.backend 'nccl' "
-                             f"need {ranks_here} CUDA devices, but it has {count} (set train.world_size to "
-                             f"{count} or fewer, or use backend 'gloo')")
+            raise ValueError(
+                f"train.world_size: {ranks_here} ranks on this machine with train.backend 'nccl' "
+                f"need {ranks_here} CUDA devices, but it has {count} (set train.world_size to "
+                f"{count} or fewer, or use backend 'gloo')"
+            )
         return "nccl"
     if count == 0:
         return "gloo"
     if ranks_here > count:
-        _log(int(os.environ.get("RANK", "0")) == 0,
-             f"train.world_size {ranks_here} is more ranks than this machine's {count} CUDA devices: "
-             f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)")
+        _log(
+            int(os.environ.get("RANK", "0")) == 0,
+            f"train.world_size {ranks_here} is more ranks than this machine's {count} CUDA devices: "
+            f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)",
+        )
         return "gloo"
     return "nccl"
 
@@ -188,7 +230,8 @@ def limit_compile_threads(ranks_here: int) -> int:
     import torch._inductor.config as inductor_config
 
     threads = int(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", 0)) or max(
-        1, len(os.sched_getaffinity(0)) // max(1, ranks_here))
+        1, len(os.sched_getaffinity(0)) // max(1, ranks_here)
+    )
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     inductor_config.compile_threads = threads
     return threads
@@ -264,18 +307,26 @@ def global_batch_starts(seed: int, step: int, batch_size: int, num_starts: int) 
     return torch.randint(0, num_starts, (batch_size,), generator=batch_generator(seed, step))
 
 
-def micro_batch_starts(starts: torch.Tensor, rank: int, micro_step: int, world_size: int,
-                       grad_accum_steps: int) -> torch.Tensor:
+def micro_batch_starts(
+    starts: torch.Tensor, rank: int, micro_step: int, world_size: int, grad_accum_steps: int
+) -> torch.Tensor:
     """Rank `rank`'s micro-batch `micro_step` of the global batch `starts`."""
     micro = len(starts) // (world_size * grad_accum_steps)
     index = rank * grad_accum_steps + micro_step
-    return starts[index * micro:(index + 1) * micro]
+    return starts[index * micro : (index + 1) * micro]
 
 
 @torch.no_grad()
-def estimate_loss(model: torch.nn.Module, tokens: np.ndarray, batch_size: int, context_length: int,
-                  num_batches: int, device: torch.device, generator: torch.Generator,
-                  dtype: torch.dtype = torch.float32) -> float:
+def estimate_loss(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    batch_size: int,
+    context_length: int,
+    num_batches: int,
+    device: torch.device,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """Mean loss over `num_batches` random batches (a quick estimate; `evaluate` is the exact one)."""
     was_training = model.training
     model.eval()
@@ -289,9 +340,19 @@ def estimate_loss(model: torch.nn.Module, tokens: np.ndarray, batch_size: int, c
     return total.item() / num_batches
 
 
-def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], train_path: str,
-           valid_path: str, state_dir: str, tensorboard_dir: str | None, param_dtype: torch.dtype,
-           seconds_before: float, run_name: str | None = None) -> None:
+def _train(
+    ctx,
+    cfg: Config,
+    model_config: dict[str, Any],
+    run: dict[str, Any],
+    train_path: str,
+    valid_path: str,
+    state_dir: str,
+    tensorboard_dir: str | None,
+    param_dtype: torch.dtype,
+    seconds_before: float,
+    run_name: str | None = None,
+) -> None:
     """One rank's training loop."""
     set_run_name(run_name)
     t = cfg.train
@@ -345,8 +406,13 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
     log = ctx.is_main
     tokens_per_step = t.batch_size * context_length
     _log_header(log, cfg, model, ctx, dtype, tokens_per_step, state_dir, start)
-    meter = StepMeter(tokens_per_step, flops_per_token(model_config),
-                      peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops), world_size, device)
+    meter = StepMeter(
+        tokens_per_step,
+        flops_per_token(model_config),
+        peak_flops(device, dtype, tf32=not t.deterministic, override=t.peak_flops),
+        world_size,
+        device,
+    )
     started = time.perf_counter()
     loss_sum, loss_steps = 0.0, 0  # the printed loss: the mean over the steps since the previous line
     val = math.nan
@@ -364,8 +430,9 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
         ddp.zero_grad()  # the gradient buckets, in place: backward accumulates straight into them
         loss = torch.zeros((), device=device)
         for m in range(accum):
-            x, y = get_windows(train_tokens, micro_batch_starts(starts, rank, m, world_size, accum),
-                               context_length, device)
+            x, y = get_windows(
+                train_tokens, micro_batch_starts(starts, rank, m, world_size, accum), context_length, device
+            )
             with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
                 with autocast(device, dtype):
                     logits = ddp(x)
@@ -401,11 +468,18 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             meter.restart()
         if step % t.log_interval == 0 or step == t.max_iters:
             mean_of = f"mean of {loss_steps} steps" if loss_steps > 1 else "1 step"
-            _log(log, f"step {step}/{t.max_iters} loss {loss_sum / loss_steps:.4f} ({mean_of}) lr {lr:.2e} "
-                      f"{meter.report(t.max_iters - step)}" + (f" loss scale {scaler.scale:g}" if scaler.enabled else ""))
+            _log(
+                log,
+                f"step {step}/{t.max_iters} loss {loss_sum / loss_steps:.4f} ({mean_of}) lr {lr:.2e} "
+                f"{meter.report(t.max_iters - step)}"
+                + (f" loss scale {scaler.scale:g}" if scaler.enabled else ""),
+            )
             loss_sum, loss_steps = 0.0, 0
         if overflow:
-            _log(log, f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}")
+            _log(
+                log,
+                f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}",
+            )
         if writer is not None:
             writer.add_scalar("loss_train", loss_value, step)
             for name, group_lr in lrs.items():
@@ -413,8 +487,16 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             writer.add_scalar("grad_norm", norm_value, step)
         if ctx.is_main and (step % t.val_interval == 0 or step == t.max_iters):
             began = time.perf_counter()
-            val = estimate_loss(model, valid_tokens, micro_batch, context_length, t.val_batches, device,
-                                batch_generator(t.seed, step, stream=1), dtype)
+            val = estimate_loss(
+                model,
+                valid_tokens,
+                micro_batch,
+                context_length,
+                t.val_batches,
+                device,
+                batch_generator(t.seed, step, stream=1),
+                dtype,
+            )
             _log(log, f"step {step} val_loss {val:.4f} ({time.perf_counter() - began:.1f} s)")
             if writer is not None:
                 writer.add_scalar("val_loss", val, step)
@@ -423,41 +505,92 @@ def _train(ctx, cfg: Config, model_config: dict[str, Any], run: dict[str, Any], 
             began = time.perf_counter()
             # The manifest (not the checkpoint, which stays byte-identical) records rank 0's wall time.
             timing = {"train_seconds": round(seconds_before + began - started, 3)}
-            _commit(ctx, model, optimizer, scaler, step, tokens_per_step, np_rng, model_config, {**run, **timing},
-                    state_dir, t.keep_checkpoints)
+            _commit(
+                ctx,
+                model,
+                optimizer,
+                scaler,
+                step,
+                tokens_per_step,
+                np_rng,
+                model_config,
+                {**run, **timing},
+                state_dir,
+                t.keep_checkpoints,
+            )
             _log(log, f"step {step} committed to {state_dir} ({time.perf_counter() - began:.1f} s)")
     if writer is not None:
         writer.close()
     wall = time.perf_counter() - started
-    _log(log, f"done: steps {start + 1}-{t.max_iters} of {t.max_iters} trained in {wall:.1f} s "
-              f"({(t.max_iters - start) * tokens_per_step / max(wall, 1e-9):,.0f} tokens/s over the wall time, "
-              f"validation and checkpoints included); final val_loss estimate {val:.4f} ({t.val_batches} batches; "
-              f"`evaluate` computes the exact loss); committed steps in {state_dir}")
+    _log(
+        log,
+        f"done: steps {start + 1}-{t.max_iters} of {t.max_iters} trained in {wall:.1f} s "
+        f"({(t.max_iters - start) * tokens_per_step / max(wall, 1e-9):,.0f} tokens/s over the wall time, "
+        f"validation and checkpoints included); final val_loss estimate {val:.4f} ({t.val_batches} batches; "
+        f"`evaluate` computes the exact loss); committed steps in {state_dir}",
+    )
 
 
-def _log_header(enabled: bool, cfg: Config, model: torch.nn.Module, ctx, dtype: torch.dtype, tokens_per_step: int,
-                state_dir: str, start: int) -> None:
+def _log_header(
+    enabled: bool,
+    cfg: Config,
+    model: torch.nn.Module,
+    ctx,
+    dtype: torch.dtype,
+    tokens_per_step: int,
+    state_dir: str,
+    start: int,
+) -> None:
     """Two lines that say what this run is and how it runs, before its first step."""
     t, m = cfg.train, cfg.model
     parameters = sum(p.numel() for p in model.parameters())
-    _log(enabled, f"model: {parameters:,} parameters (vocab {model.vocab_size}, d_model {m.d_model}, {m.num_layers} "
-                  f"layers, {m.num_heads} heads, d_ff {m.d_ff}, context {m.context_length}); {t.max_iters} steps of "
-                  f"{tokens_per_step:,} tokens (batch {t.batch_size} x context {m.context_length}), lr {t.lr_max:g} "
-                  f"-> {t.lr_min:g}, weight decay {t.weight_decay:g}, seed {t.seed}")
+    _log(
+        enabled,
+        f"model: {parameters:,} parameters (vocab {model.vocab_size}, d_model {m.d_model}, {m.num_layers} "
+        f"layers, {m.num_heads} heads, d_ff {m.d_ff}, context {m.context_length}); {t.max_iters} steps of "
+        f"{tokens_per_step:,} tokens (batch {t.batch_size} x context {m.context_length}), lr {t.lr_max:g} "
+        f"-> {t.lr_min:g}, weight decay {t.weight_decay:g}, seed {t.seed}",
+    )
     param_dtype = next(model.parameters()).dtype
-    _log(enabled, f"world size {ctx.world_size}, backend {dist.get_backend() if dist.is_initialized() else 'none'}, "
-                  f"device {ctx.device.type}, autocast {str(dtype).removeprefix('torch.')} (parameters "
-                  f"{str(param_dtype).removeprefix('torch.')}), grad_accum_steps {t.grad_accum_steps}; state "
-                  f"{state_dir}; " + (f"resumed at step {start}" if start else "fresh start")
-                  + f"; the loss printed is the mean over the steps since the previous line (every "
-                  f"{t.log_interval} steps)")
+    _log(
+        enabled,
+        f"world size {ctx.world_size}, backend {dist.get_backend() if dist.is_initialized() else 'none'}, "
+        f"device {ctx.device.type}, autocast {str(dtype).removeprefix('torch.')} (parameters "
+        f"{str(param_dtype).removeprefix('torch.')}), grad_accum_steps {t.grad_accum_steps}; state "
+        f"{state_dir}; "
+        + (f"resumed at step {start}" if start else "fresh start")
+        + f"; the loss printed is the mean over the steps since the previous line (every "
+        f"{t.log_interval} steps)",
+    )
 
 
-def _commit(ctx, model, optimizer, scaler, step: int, tokens_per_step: int, np_rng, model_config, run,
-            state_dir, keep: int) -> None:
+def _commit(
+    ctx,
+    model,
+    optimizer,
+    scaler,
+    step: int,
+    tokens_per_step: int,
+    np_rng,
+    model_config,
+    run,
+    state_dir,
+    keep: int,
+) -> None:
     """Collective: every rank writes its part of step `step` (see tinylm/state.py); rank 0 commits it."""
     manifest = {**run, "tokens_seen": step * tokens_per_step, "model_config": model_config}
-    state_lib.save_step(ctx, state_dir, step, model, optimizer, manifest=manifest, keep=keep,
-                        entries={"tokens_seen": step * tokens_per_step, "model_config": model_config,
-                                 "grad_scaler": scaler.state_dict()},
-                        per_rank={"rng": _rng_state(np_rng, ctx.device)})
+    state_lib.save_step(
+        ctx,
+        state_dir,
+        step,
+        model,
+        optimizer,
+        manifest=manifest,
+        keep=keep,
+        entries={
+            "tokens_seen": step * tokens_per_step,
+            "model_config": model_config,
+            "grad_scaler": scaler.state_dict(),
+        },
+        per_rank={"rng": _rng_state(np_rng, ctx.device)},
+    )

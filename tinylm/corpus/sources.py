@@ -64,8 +64,10 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
                         out.write(chunk)
                         bar.update(len(chunk))
         except (OSError, ValueError, http.client.HTTPException) as error:
-            raise CorpusError(f"download of {url} failed: {error}; without a network, put the file at {path} "
-                              f"(its sha256 must be {expected}) and run again") from error
+            raise CorpusError(
+                f"download of {url} failed: {error}; without a network, put the file at {path} "
+                f"(its sha256 must be {expected}) and run again"
+            ) from error
         _verify_sha256(tmp, expected, url)
     return path
 

@@ -96,7 +96,9 @@ class CausalSelfAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.d_model)  # heads side by side again
         return self.output_proj(out)
 
-    def _attend_cached(self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int) -> torch.Tensor:
+    def _attend_cached(
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int
+    ) -> torch.Tensor:
         """Attention of T new positions (qk [2, B, H, T, d_head], v) to themselves and the cached ones."""
         start, T = kv_cache.length, qk.shape[-2]
         if self.rope is not None:
@@ -107,7 +109,10 @@ class CausalSelfAttention(nn.Module):
         # (the usual decoding step) sees everything: no mask at all.
         mask = None
         if T > 1:
-            mask = torch.arange(start + T, device=qk.device) <= torch.arange(start, start + T, device=qk.device)[:, None]
+            mask = (
+                torch.arange(start + T, device=qk.device)
+                <= torch.arange(start, start + T, device=qk.device)[:, None]
+            )
         if self.use_fast_attention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return scaled_dot_product_attention(q, k, v, mask=mask)

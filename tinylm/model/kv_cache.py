@@ -24,8 +24,16 @@ class KVCache:
     values; positions length .. max_len - 1 are not yet written.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_heads: int, max_len: int, d_head: int,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_heads: int,
+        max_len: int,
+        d_head: int,
+        device=None,
+        dtype=None,
+    ):
         shape = (batch_size, num_heads, max_len, d_head)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]

@@ -126,7 +126,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos.float(), persistent=False)
         self.register_buffer("sin", sin.float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0
+    ) -> torch.Tensor:
         seq_len = x.shape[-2]
         if token_positions is None:
             cos, sin = self.cos[start : start + seq_len], self.sin[start : start + seq_len]

@@ -99,8 +99,10 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds the model's context_length {self.context_length}"
             )
         if kv_cache is not None and kv_cache.length + seq_len > kv_cache.max_len:
-            raise ValueError(f"{kv_cache.length} cached and {seq_len} new positions exceed the cache's "
-                             f"{kv_cache.max_len} (the model's context_length)")
+            raise ValueError(
+                f"{kv_cache.length} cached and {seq_len} new positions exceed the cache's "
+                f"{kv_cache.max_len} (the model's context_length)"
+            )
         x = self.token_embeddings(token_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_cache, i)
@@ -112,8 +114,15 @@ class Transformer(nn.Module):
         """An empty cache for `batch_size` sequences of up to context_length positions."""
         attn = self.layers[0].attn
         weight = self.lm_head.weight
-        return KVCache(len(self.layers), batch_size, attn.num_heads, self.context_length, attn.d_head,
-                       device=weight.device, dtype=weight.dtype)
+        return KVCache(
+            len(self.layers),
+            batch_size,
+            attn.num_heads,
+            self.context_length,
+            attn.d_head,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
 
     def set_fast_attention(self, enabled: bool) -> None:
         """Switch every layer between the fused attention kernel (default) and the reference path."""

@@ -123,8 +123,12 @@ class DDP(nn.Module):
     each gradient is reduced to its owner only. Read once, at wrap time.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0,
-                 reduce_to: Mapping[nn.Parameter, int] | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float = 25.0,
+        reduce_to: Mapping[nn.Parameter, int] | None = None,
+    ):
         super().__init__()
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
@@ -245,7 +249,9 @@ class DDP(nn.Module):
             for owner, _, grads in bucket.runs:
                 if owner is None or owner == self.rank:
                     grads.div_(self.world_size)
-            mine += [(bucket, i) for i, owner in enumerate(bucket.owners) if owner is None or owner == self.rank]
+            mine += [
+                (bucket, i) for i, owner in enumerate(bucket.owners) if owner is None or owner == self.rank
+            ]
         # How many ranks produced each gradient. When this rank produced all of its own, every
         # count is at least 1 and need not be read: no device-to-host copy, no host sync, in the
         # usual step. Otherwise one copy for all flags.

@@ -191,7 +191,9 @@ def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank,
     store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    ctx = RankContext(rank, local_rank, world_size, device, backend, dist.PrefixStore("tinylm/", store), timeout_s)
+    ctx = RankContext(
+        rank, local_rank, world_size, device, backend, dist.PrefixStore("tinylm/", store), timeout_s
+    )
     fn(ctx, *args)
     dist.barrier()
     dist.destroy_process_group()
@@ -207,8 +209,13 @@ def _spawn_and_join(entry: Callable[..., Any], args: tuple, nprocs: int) -> None
     a moment later, and both can be seen in the same poll.
     """
     failures = tempfile.mkdtemp(prefix="tinylm-failures-")
-    context = mp.start_processes(_recording_failure, args=(os.getpid(), failures, entry, args), nprocs=nprocs, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(
+        _recording_failure,
+        args=(os.getpid(), failures, entry, args),
+        nprocs=nprocs,
+        join=False,
+        start_method="spawn",
+    )
     previous = _raise_on_sigterm()
     try:
         while not context.join():
@@ -250,8 +257,9 @@ def _die_with_parent(launcher_pid: int) -> None:
         os._exit(1)
 
 
-def _recording_failure(index: int, launcher_pid: int, failures: str, entry: Callable[..., Any],
-                       args: tuple) -> None:
+def _recording_failure(
+    index: int, launcher_pid: int, failures: str, entry: Callable[..., Any], args: tuple
+) -> None:
     """Run `entry(index, *args)`; if it raises, first write when (monotonic clock) and the traceback."""
     _die_with_parent(launcher_pid)
     try:
@@ -270,8 +278,11 @@ def _first_failure(processes: list, error: Exception, failures: str) -> RankFail
     raising is the cause: its peers only fail after it. Otherwise, the rank that raised first.
     """
     for index, process in enumerate(processes):
-        if index != error.error_index and not os.path.exists(os.path.join(failures, str(index))) \
-                and process.exitcode not in (None, 0, -signal.SIGTERM):
+        if (
+            index != error.error_index
+            and not os.path.exists(os.path.join(failures, str(index)))
+            and process.exitcode not in (None, 0, -signal.SIGTERM)
+        ):
             return RankFailedError(index, _exit_detail(process.exitcode, process.pid))
     raised = {}
     for path in Path(failures).iterdir():

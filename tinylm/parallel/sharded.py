@@ -58,8 +58,9 @@ _ALIGN_BYTES = 64
 class ShardedOptimizer(torch.optim.Optimizer):
     """Run `optimizer_cls(owned params, **kwargs)` on this rank's share and broadcast the results."""
 
-    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], bucket_size_mb: float = 25.0,
-                 **kwargs: Any):
+    def __init__(
+        self, params, optimizer_cls: type[torch.optim.Optimizer], bucket_size_mb: float = 25.0, **kwargs: Any
+    ):
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.optimizer_cls = optimizer_cls
@@ -148,7 +149,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             summed[1, mine] = 1.0
         if self.world_size > 1:
             dist.all_reduce(summed)
-        total_norm = summed[0, summed[1] > 0].sum().sqrt()  # the squares of gradient_clip's stack, in its order
+        total_norm = (
+            summed[0, summed[1] > 0].sum().sqrt()
+        )  # the squares of gradient_clip's stack, in its order
         if grads:
             scale_to_norm(grads, total_norm, max_norm, eps)
         return total_norm
@@ -186,7 +189,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         index = {p: i for i, p in enumerate(self._params())}
         local = {index[p]: state for p, state in self.local_optimizer.state.items()}
-        described = {i: {name: _describe(value) for name, value in state.items()} for i, state in local.items()}
+        described = {
+            i: {name: _describe(value) for name, value in state.items()} for i, state in local.items()
+        }
         if self.world_size > 1:
             gathered: list[dict] = [{} for _ in range(self.world_size)]
             dist.all_gather_object(gathered, described)  # names, shapes, dtypes: no tensor data
@@ -195,7 +200,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for rank, rank_state in enumerate(gathered):
             for i, names in rank_state.items():
-                state[i] = dict(local[i]) if rank == self.rank else {name: _placeholder(d) for name, d in names.items()}
+                state[i] = (
+                    dict(local[i])
+                    if rank == self.rank
+                    else {name: _placeholder(d) for name, d in names.items()}
+                )
         param_groups = []
         for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             full_group = {**self._hyperparameters(local_group), **self._hyperparameters(group)}

@@ -152,7 +152,9 @@ class PairIndex:
         parts = []
         if a < 256 and b < 256:
             pair = a << 8 | b
-            parts.append(self.byte_pair_positions[self.byte_pair_offsets[pair] : self.byte_pair_offsets[pair + 1]])
+            parts.append(
+                self.byte_pair_positions[self.byte_pair_offsets[pair] : self.byte_pair_offsets[pair + 1]]
+            )
         if a in self.records:  # (a, y) recorded by merge a, y = b
             _, _, right, right_positions = self.records[a]
             lo, hi = np.searchsorted(right, [b, b + 1])
@@ -253,7 +255,9 @@ class PairIndex:
         tokens, size, last = self.tokens, self.token_bytes, len(self.tokens) - 1
         left_tokens, lefts, right_tokens, right_starts = self.records[token]
         ok = (tokens[lefts] == left_tokens) & (tokens[np.minimum(lefts + size[left_tokens], last)] == token)
-        ok_right = (tokens[right_starts] == token) & (tokens[np.minimum(right_starts + size[token], last)] == right_tokens)
+        ok_right = (tokens[right_starts] == token) & (
+            tokens[np.minimum(right_starts + size[token], last)] == right_tokens
+        )
         self.records[token] = (left_tokens[ok], lefts[ok], right_tokens[ok_right], right_starts[ok_right])
 
     def _compact_byte_pair_table(self) -> None:

@@ -36,7 +36,7 @@ GPT2_REGEX = regex.compile(GPT2_PATTERN)
 
 # A letter first assigned in each Unicode version: the newest one that `regex` calls a letter tells
 # which tables it was built with. Pre-tokens depend on them (\p{L}, \p{N}), so token ids do too.
-_NEW_LETTERS = [("17.0", "\uA7CE"), ("16.0", "\u1C89"), ("15.1", "\U0002EBF0"), ("15.0", "\U00011F04")]
+_NEW_LETTERS = [("17.0", "\ua7ce"), ("16.0", "\u1c89"), ("15.1", "\U0002ebf0"), ("15.0", "\U00011f04")]
 
 
 def unicode_version() -> str:
@@ -45,6 +45,7 @@ def unicode_version() -> str:
         if regex.match(r"\p{L}", letter):
             return version
     return "older"
+
 
 # The same pattern spelled for ASCII-only text, where letters are [A-Za-z], numbers [0-9], and the
 # `regex` module's \s is exactly these six characters (unlike the standard `re`, which also counts

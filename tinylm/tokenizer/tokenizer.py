@@ -361,9 +361,12 @@ class Tokenizer:
             )
         saved_unicode = data.get("unicode_version")
         if saved_unicode is not None and saved_unicode != unicode_version():
-            print(f"warning: {path} was trained with the Unicode {saved_unicode} tables of `regex`; the installed "
-                  f"regex {regex.__version__} has Unicode {unicode_version()}, so text with characters assigned "
-                  f"in between may be split (and encoded) differently", file=sys.stderr)
+            print(
+                f"warning: {path} was trained with the Unicode {saved_unicode} tables of `regex`; the installed "
+                f"regex {regex.__version__} has Unicode {unicode_version()}, so text with characters assigned "
+                f"in between may be split (and encoded) differently",
+                file=sys.stderr,
+            )
         try:
             vocab = {int(i): _text_to_bytes(t) for i, t in data["vocab"].items()}
             merges = [(_text_to_bytes(a), _text_to_bytes(b)) for a, b in data["merges"]]
