@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.config import Config
 from tinylm.evaluation import evaluate_checkpoints
@@ -60,7 +61,7 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
         }
         manifest = {"world_size": 1, "config": {"train": {"dtype": dtype}}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=100)
-    state_lib.publish(folder / "state", folder / "checkpoints")
+    published_lib.publish(folder / "state", folder / "checkpoints")
     return folder / "checkpoints"
 
 
@@ -68,7 +69,7 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
 def plain_torch_loss(checkpoint: Path, valid: Path, max_tokens: int, batch_size: int, device: str) -> float:
     """The peer: the same windows scored by a plain loop with F.cross_entropy (sum), one checkpoint,
     loading included (as in the evaluation)."""
-    payload, _ = state_lib.load_verified(checkpoint, map_location=device)
+    payload = torch.load(checkpoint, map_location=device, weights_only=True)
     config = payload["model_config"]
     model = Transformer(**config, device=device)
     model.load_state_dict(payload["model"])

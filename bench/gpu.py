@@ -112,9 +112,8 @@ class FusedNativeTransformer(torch.nn.Module):
 
 def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> dict:
     from tinylm.nn_utils import gradient_clip
-    from tinylm.precision import autocast
+    from tinylm.precision import autocast, configure_kernels
     from tinylm.throughput import flops_per_token, mfu, peak_flops, peak_memory_mib
-    from tinylm.training import configure_kernels
 
     impl, compiled, deterministic = VARIANTS[name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer
@@ -68,7 +69,7 @@ def make_checkpoints(folder: Path) -> float:
         state_lib.commit(
             folder / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
         )
-    state_lib.publish(folder / "state", folder / "ckpt")
+    published_lib.publish(folder / "state", folder / "ckpt")
     vocab = {i: bytes([i]) for i in range(256)}
     vocab[256] = EOT.encode()
     merges = [(bytes([a]), bytes([b])) for a in range(256) for b in range(256)][: 32000 - 257]
@@ -126,7 +127,7 @@ def main() -> None:
         cli = f"    import runpy; sys.argv = {argv!r}; runpy.run_module('tinylm', run_name='__main__')"
         whole = (
             "    import torch; from tinylm import state; from tinylm.model import Transformer\n"
-            f"    payload, _ = state.load_verified({str(folder / 'ckpt' / 'step_2.pt')!r})\n"
+            f"    payload = torch.load({str(folder / 'ckpt' / 'step_2.pt')!r})\n"
             "    model = Transformer(**payload['model_config']); model.load_state_dict(payload['model'])"
         )
         rows = [

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-SEPARATOR = "<|endoftext|>"
+END_OF_TEXT = "<|endoftext|>"
 
 # Common English words, most frequent first (their order is their Zipf rank).
 COMMON = """
@@ -145,7 +145,7 @@ class Profile:
         )
         ending = [s.split()[0] if self.sentence_end[i] else "." for i, (s, _) in enumerate(separators)]
         self.document_end = table.add(ending)  # the last document of a batch
-        self.document_end_then_next = table.add([e + SEPARATOR for e in ending])
+        self.document_end_then_next = table.add([e + END_OF_TEXT for e in ending])
         words_per_sentence = 1.0 / self.separator_p[self.sentence_end].sum()
         self.end_document_p = min(1.0, words_per_sentence / (180 if stories else 900))
         # Other kinds of words: (probability per word slot, function n -> piece ids [n, 6], -1 = none).
@@ -244,7 +244,7 @@ class Profile:
         )
 
     def batch(self, index: int, n: int) -> bytes:
-        """Batch `index`: about n words of text, whole documents joined by SEPARATOR, none after the last.
+        """Batch `index`: about n words of text, whole documents joined by END_OF_TEXT, none after the last.
 
         Each batch draws from its own generator, seeded by (seed, profile, index), so batches can be
         made in any order and in parallel.
@@ -307,7 +307,7 @@ def generate(
     global _worker_profile
     _worker_profile = Profile(profile, seed)  # built once, shared with the forked workers
     num_workers = num_workers or len(os.sched_getaffinity(0))
-    separator = SEPARATOR.encode("utf-8")
+    separator = END_OF_TEXT.encode("utf-8")
     written = 0
     pool = multiprocessing.get_context("fork").Pool(num_workers) if num_workers > 1 else None
     with pool or contextlib.nullcontext():

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _faults import maybe_inject_fault
 from torch import nn
 
-from tinylm.parallel import DDP, ShardedOptimizer, launch, maybe_inject_fault
+from tinylm.parallel import DDP, ShardedOptimizer, launch
 
 VOCAB = 13
 DIM = 8

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.model import Transformer
 from tinylm.tokenizer import Tokenizer, train_bpe
@@ -99,7 +100,7 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
         "model_config": dict(MODEL),
     }
     state_lib.commit(folder / "state", steps, payload, manifest)
-    state_lib.publish(folder / "state", folder / "ckpt")
+    published_lib.publish(folder / "state", folder / "ckpt")
     return {
         "tokenizer": folder / "tokenizer.json",
         "checkpoints": folder / "ckpt",

@@ -17,6 +17,7 @@ import torch
 from _checkpoints import manifest_for
 from _tiny_config import write_tiny_config
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.config import load_config, weight_config
 from tinylm.io import sha256_file
@@ -87,7 +88,7 @@ def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
         }
         manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
         state_lib.commit(folder / "state", step, payload, manifest)
-    state_lib.publish(folder / "state", folder / "ckpt")
+    published_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
 
@@ -407,7 +408,7 @@ def test_full_disk_while_writing_a_checkpoint_commits_nothing(tmp_path, tiny_dis
 
 
 def test_backend_rules_against_the_cuda_device_count(monkeypatch, capsys):
-    from tinylm.training import resolve_backend
+    from tinylm.parallel.launch import resolve_backend
 
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)

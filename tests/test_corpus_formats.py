@@ -20,7 +20,7 @@ import pytest
 import zstandard
 
 from tinylm.config import from_dict
-from tinylm.corpus import SEPARATOR, CorpusError, prepare_corpus
+from tinylm.corpus import END_OF_TEXT, CorpusError, prepare_corpus
 from tinylm.tokenizer import Tokenizer, encode_corpus, train_bpe
 
 WORDS = [
@@ -100,7 +100,7 @@ def test_every_format_gives_the_train_and_valid_text_of_the_same_documents(tmp_p
         train_files=as_text_files(tmp_path / "t", train_docs),
         valid_files=as_text_files(tmp_path / "v", valid_docs),
     )
-    assert expected_train == SEPARATOR.join(train_docs)  # the reference itself, checked once
+    assert expected_train == END_OF_TEXT.join(train_docs)  # the reference itself, checked once
     shards = tmp_path / "shards"
     shards.mkdir()
     for i, start in enumerate([0, 20, 35]):  # three shards, found by a glob, read in name order
@@ -122,7 +122,7 @@ def test_mixed_formats_hold_out_valid_fraction_and_give_the_same_token_files(tmp
     documents = make_documents(2, 40)
     folder = tmp_path / "mixed"
     folder.mkdir()
-    (folder / "a.txt").write_text(SEPARATOR.join(documents[:10]), "utf-8")  # a text file of 10 documents
+    (folder / "a.txt").write_text(END_OF_TEXT.join(documents[:10]), "utf-8")  # a text file of 10 documents
     (folder / "b.txt.gz").write_bytes(gzip.compress(documents[10].encode()))
     write_parquet(folder / "c.parquet", documents[11:30], row_group_size=4)
     write_jsonl(folder / "d.jsonl.zst", documents[30:])
@@ -133,8 +133,8 @@ def test_mixed_formats_hold_out_valid_fraction_and_give_the_same_token_files(tmp
     assert mixed == reference
     assert reference[2]["valid_documents"] == 8
     # ... and so the same token files
-    vocab, merges = train_bpe(tmp_path / "mixed/train.txt", 300, [SEPARATOR], num_workers=1, progress=False)
-    tokenizer = Tokenizer(vocab, merges, [SEPARATOR])
+    vocab, merges = train_bpe(tmp_path / "mixed/train.txt", 300, [END_OF_TEXT], num_workers=1, progress=False)
+    tokenizer = Tokenizer(vocab, merges, [END_OF_TEXT])
     for name in ("mixed", "reference"):
         encode_corpus(tokenizer, tmp_path / name / "valid.txt", tmp_path / name / "valid.npy", progress=False)
     assert np.array_equal(np.load(tmp_path / "mixed/valid.npy"), np.load(tmp_path / "reference/valid.npy"))
@@ -162,7 +162,7 @@ def test_binary_parquet_column_and_large_strings(tmp_path):
     train, valid, _ = run(
         tmp_path, "out", train_files=[str(tmp_path / "b.parquet")], valid_files=[str(tmp_path / "l.parquet")]
     )
-    assert train == valid == SEPARATOR.join(documents)
+    assert train == valid == END_OF_TEXT.join(documents)
 
 
 def test_url_list_downloads_each_format_and_caches(tmp_path):
@@ -182,8 +182,8 @@ def test_url_list_downloads_each_format_and_caches(tmp_path):
             "valid_urls": [entry(valid)]}  # fmt: skip
     cfg = from_dict({"corpus": keys}).corpus
     stats = prepare_corpus(cfg, tmp_path / "out/train.txt", tmp_path / "out/valid.txt")
-    assert (tmp_path / "out/train.txt").read_text("utf-8") == SEPARATOR.join(documents[:25])
-    assert (tmp_path / "out/valid.txt").read_text("utf-8") == SEPARATOR.join(documents[25:])
+    assert (tmp_path / "out/train.txt").read_text("utf-8") == END_OF_TEXT.join(documents[:25])
+    assert (tmp_path / "out/valid.txt").read_text("utf-8") == END_OF_TEXT.join(documents[25:])
     assert (stats["train_documents"], stats["valid_documents"]) == (25, 5)
     for path in [*files, valid]:  # the second run reads the cache only
         path.unlink()
@@ -315,7 +315,7 @@ def test_glob_order_is_by_name_and_recursive(tmp_path):
     train, _, _ = run(
         tmp_path, "out", train_files=[str(tmp_path / "in/**/*.txt")], valid_files=[str(tmp_path / "in/c.txt")]
     )
-    assert train.split(SEPARATOR) == ["a/10.txt", "a/9.txt", "b/2.txt", "c.txt"]
+    assert train.split(END_OF_TEXT) == ["a/10.txt", "a/9.txt", "b/2.txt", "c.txt"]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
@@ -332,7 +332,7 @@ def test_lines_and_characters_cut_by_small_reads(tmp_path, monkeypatch, chunk, f
     if form.startswith("jsonl"):
         write_jsonl(path, documents)
     else:
-        data = SEPARATOR.join(documents).encode("utf-8")
+        data = END_OF_TEXT.join(documents).encode("utf-8")
         compress = gzip.compress if form.endswith(".gz") else zstandard.ZstdCompressor().compress
         # .zst: two frames, cut inside a document
         path.write_bytes(
@@ -340,4 +340,4 @@ def test_lines_and_characters_cut_by_small_reads(tmp_path, monkeypatch, chunk, f
         )
     (tmp_path / "v.txt").write_text("held out")
     train, _, stats = run(tmp_path, "out", train_files=[str(path)], valid_files=[str(tmp_path / "v.txt")])
-    assert train == SEPARATOR.join(documents) and stats["train_documents"] == 8
+    assert train == END_OF_TEXT.join(documents) and stats["train_documents"] == 8

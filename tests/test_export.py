@@ -19,11 +19,13 @@ from _tiny_lm import SPECIALS, mixed_text
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.checkpoint import CheckpointError
 from tinylm.export import ExportError, export_hf, interleaved_to_halves
-from tinylm.generating import generate, generate_reference, load_model
+from tinylm.generating import generate, generate_reference
 from tinylm.model import RotaryEmbedding, Transformer
+from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +217,7 @@ def publish(folder: Path, payload: dict, step: int = 5) -> Path:
     state_lib.commit(
         folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, {"world_size": 1}
     )
-    state_lib.publish(folder / "state", folder / "ckpt")
+    published_lib.publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
 

@@ -17,7 +17,6 @@ from tinylm.config import GenerateConfig
 from tinylm.generating import (
     generate,
     generate_reference,
-    load_model,
     nucleus,
     sample,
     sample_next,
@@ -25,6 +24,7 @@ from tinylm.generating import (
     stream_text,
 )
 from tinylm.model import Transformer
+from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

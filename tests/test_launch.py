@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import _parallel_helpers as helpers
 import pytest
 import torch
+from _faults import FAULT_ENV, maybe_inject_fault, parse_fault
 
-from tinylm.parallel import RankFailedError, launch, maybe_inject_fault
-from tinylm.parallel.launch import FAULT_ENV, _first_failure, parse_fault
+from tinylm.parallel import RankFailedError, launch
+from tinylm.parallel.launch import _first_failure
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS_SCRIPT = REPO / "tests" / "_parallel_helpers.py"

@@ -333,8 +333,10 @@ def test_adamw_runs_keep_their_hash_and_muon_keys_count_only_with_muon():
 
 
 def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
+    from tinylm.checkpoint import CheckpointError
     from tinylm.config import from_dict, weight_config
-    from tinylm.state import FORMAT, CheckpointError, check_resumable
+    from tinylm.state import FORMAT
+    from tinylm.training import check_resumable
 
     def manifest(train: dict) -> dict:
         return {"seed": 0, "structural_hash": "abc", "config": weight_config(from_dict({"train": train}))}

@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoints import manifest_for
+from _checkpoints import manifest_for, read_checked
 
+from tinylm import published as published_lib
 from tinylm import state as state_lib
+from tinylm.io import FolderLockedError, StateLock
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
 from tinylm.state import (
     FORMAT,
     CheckpointError,
-    StateLock,
-    check_resumable,
     commit,
     committed_steps,
-    load_verified,
 )
+from tinylm.training import check_resumable
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
@@ -87,7 +87,7 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
     )
     assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
 
-    out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
+    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
     # The newest is the seed's full format: a plain torch.load into a plain AdamW.
     full = torch.load(out[-1], weights_only=True)
@@ -97,7 +97,7 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
     AdamW(model.parameters()).load_state_dict(full["optimizer"])
     # Older steps keep what evaluation and generation need.
     for path, step in zip(out[:-1], (10, 20, 30), strict=True):
-        weights, published = load_verified(path)
+        weights, published = read_checked(path)
         assert published["contents"] == "weights" and "optimizer" not in weights
         expected = payload(step)
         assert_same(
@@ -121,10 +121,10 @@ def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
     # As if a commit was killed after taking step 10's manifest away and before writing it again.
     (tmp_path / "published" / "step_10.json").unlink()
     (tmp_path / "published" / "step_10.pt").unlink()
-    assert state_lib.published_steps(tmp_path / "published") == [20]
-    out = state_lib.publish(tmp_path, tmp_path / "checkpoints")
+    assert published_lib.published_steps(tmp_path / "published") == [20]
+    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
-    assert load_verified(out[0])[1]["contents"] == "weights"
+    assert read_checked(out[0])[1]["contents"] == "weights"
 
 
 def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it(tmp_path):
@@ -134,7 +134,7 @@ def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it
     torch.save(payload(20), half / "checkpoint.pt")
     assert committed_steps(tmp_path) == [10]
     with pytest.raises(CheckpointError, match="manifest not found"):
-        load_verified(half / "checkpoint.pt")
+        read_checked(half / "checkpoint.pt")
     commit(tmp_path, 30, payload(30), MANIFEST)
     assert not half.exists()
 
@@ -155,7 +155,7 @@ def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
     os.unlink(path)  # break the hard link to the published copy
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
-        load_verified(path)
+        read_checked(path)
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
         model = Transformer(**CONFIG)
         state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
@@ -224,7 +224,7 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     # Even when the environment asks torch to stop defaulting to weights_only.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="weights_only"):
-        load_verified(path)
+        read_checked(path)
     model = Transformer(**CONFIG)
     with pytest.raises(CheckpointError, match="weights_only"):
         state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
@@ -252,13 +252,13 @@ def test_resume_check_names_the_value_that_differs():
 
 def test_lock_stops_a_second_trainer(tmp_path):
     code = (
-        "import sys, time; from tinylm.state import StateLock\n"
+        "import sys, time; from tinylm.io import StateLock\n"
         "with StateLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(30)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(CheckpointError, match=f"another trainer \\(pid {holder.pid}\\)"):
+        with pytest.raises(FolderLockedError, match=f"another trainer \\(pid {holder.pid}\\)"):
             with StateLock(tmp_path):
                 pass
     finally:
@@ -279,7 +279,7 @@ def test_a_filesystem_without_flock_locks_with_an_exclusive_file(tmp_path, monke
     with StateLock(tmp_path):
         assert "no flock (ENOSYS)" in capsys.readouterr().err
         assert (tmp_path / "lock.pid").read_text().strip().endswith(f":{os.getpid()}")
-        with pytest.raises(CheckpointError, match=r"another trainer \(.*:\d+\) is using this state folder"):
+        with pytest.raises(FolderLockedError, match=r"another trainer \(.*:\d+\) is using this state folder"):
             with StateLock(tmp_path):
                 pass
     assert not (tmp_path / "lock.pid").exists()  # released on exit
@@ -292,7 +292,7 @@ def test_a_filesystem_without_flock_locks_with_an_exclusive_file(tmp_path, monke
     with StateLock(tmp_path):  # left by a process that no longer runs: taken over
         pass
     (tmp_path / "lock.pid").write_text("another-host:1\n")
-    with pytest.raises(CheckpointError, match="delete .*lock.pid if no trainer runs"):
+    with pytest.raises(FolderLockedError, match="delete .*lock.pid if no trainer runs"):
         with StateLock(tmp_path):
             pass
 
@@ -339,7 +339,7 @@ def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_i
 
     state = saved_at_world_two / "state"
     model, reference = helpers.make_trained(range(3), sharded=False)
-    out = state_lib.publish(state, saved_at_world_two / "checkpoints")
+    out = published_lib.publish(state, saved_at_world_two / "checkpoints")
     full = torch.load(out[-1], weights_only=True)  # the seed's format, plainly loaded
     assert_same(full["model"], model.state_dict())
     assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _faults import fault_env
 from _tiny_config import write_tiny_config
 
-from tinylm.state import committed_steps, load_verified, step_dir
+from tinylm.state import committed_steps, step_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def pretrain(
     data: dict, config: Path, state_dir: Path, fault: str | None = None
 ) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TINYLM_FAULT"}
-    if fault:
-        env["TINYLM_FAULT"] = fault
+    env = fault_env(dict(os.environ), fault)
     return subprocess.run(
         [
             sys.executable,
@@ -70,7 +69,7 @@ def logged_losses(stderr: str) -> dict[int, str]:
 
 def final_payload(state_dir: Path, step: int | None = None) -> dict:
     step = committed_steps(state_dir)[-1] if step is None else step
-    payload, _ = load_verified(step_dir(state_dir, step) / "checkpoint.pt")
+    payload = torch.load(step_dir(state_dir, step) / "checkpoint.pt", map_location="cpu", weights_only=True)
     return payload
 
 
@@ -278,18 +277,23 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_
             train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6},
         )
         configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
-    # One subprocess runs all four in turn: train() in-process sets torch's global switches.
+    # One subprocess runs all four in turn: train() in-process sets torch's global switches. The
+    # test harness (tests/_faults.py) makes the parameters and optimizer state float64.
     script = textwrap.dedent(f"""
         import torch
         from tinylm.config import load_config
         from tinylm.training import train
         data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
         for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt",
-                  param_dtype=torch.float64)
+            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt")
     """)
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=fault_env(dict(os.environ), param_dtype="float64"),
     )
     assert proc.returncode == 0, proc.stderr
     finals = [final_payload(Path(state))["model"] for _, state in configs]
@@ -422,7 +426,7 @@ def test_bfloat16_with_compile_trains_and_saves_plain_float32_weights(tiny_data,
 
 
 def test_micro_batches_tile_the_global_batch_in_rank_major_order():
-    from tinylm.training import global_batch_starts, micro_batch_starts
+    from tinylm.data import global_batch_starts, micro_batch_starts
 
     starts = global_batch_starts(seed=3, step=7, batch_size=24, num_starts=10_000)
     assert torch.equal(starts, global_batch_starts(seed=3, step=7, batch_size=24, num_starts=10_000))
@@ -435,31 +439,6 @@ def test_micro_batches_tile_the_global_batch_in_rank_major_order():
         ]
         assert {len(s) for s in slices} == {24 // (world_size * accum)}
         assert torch.equal(torch.cat(slices), starts), (world_size, accum)
-
-
-def test_fault_hooks_poison_only_the_forwards_of_their_step(monkeypatch):
-    from tinylm.faults import OVERFLOW_FACTOR, install_fault_hooks
-
-    monkeypatch.setenv("TINYLM_FAULT", "rank=0,step=5,action=nan")
-    module = torch.nn.Linear(2, 2)
-    install_fault_hooks(module, rank=0, first_step=4, micro_steps=2)  # resumed at step 4, 2 micro-steps
-    x = torch.ones(1, 2)
-    finite = [bool(torch.isfinite(module(x)).all()) for _ in range(6)]  # steps 4, 4, 5, 5, 6, 6
-    assert finite == [True, True, False, False, True, True]
-
-    monkeypatch.setenv("TINYLM_FAULT", "rank=1,step=0,action=overflow")
-    module = torch.nn.Linear(2, 1)
-    install_fault_hooks(module, rank=1, first_step=0, micro_steps=1)
-    module(x).sum().backward()
-    poisoned = module.weight.grad.clone()
-    module.weight.grad = None
-    module(x).sum().backward()
-    torch.testing.assert_close(poisoned, module.weight.grad * OVERFLOW_FACTOR)
-
-    monkeypatch.delenv("TINYLM_FAULT")
-    module = torch.nn.Linear(2, 2)
-    install_fault_hooks(module, rank=0, first_step=0, micro_steps=1)
-    assert not module._forward_hooks and not module._forward_pre_hooks  # unset: nothing installed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -588,7 +567,7 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
 def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
     import torch._inductor.config as inductor_config
 
-    from tinylm.training import limit_compile_threads, ranks_on_this_machine
+    from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
 
     monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))

@@ -5,6 +5,7 @@ optimizer is refused, bf16 autocast with torch.compile trains, and TensorBoard g
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _faults import fault_env
 from _tiny_config import write_tiny_config
 from test_training import assert_same_tensors, final_payload, logged_losses, pretrain, pretrain_ok
 
@@ -139,11 +141,15 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights_with_
         from tinylm.training import train
         data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
         for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt",
-                  param_dtype=torch.float64)
+            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt")
     """)
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=fault_env(dict(os.environ), param_dtype="float64"),  # float64 parameters (tests/_faults.py)
     )
     assert proc.returncode == 0, proc.stderr
     finals = [final_payload(Path(state)) for _, state in configs]

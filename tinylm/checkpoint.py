@@ -25,7 +25,7 @@ Its manifest entry (`Layout.entry`) cuts the file into byte ranges, each with it
 "records" (one per tensor) and "other" (pickle, headers, directory). A reader checks exactly the
 ranges it reads: `CheckpointReader` checks the "other" ranges, parses the pickle into tensors on
 the meta device (no data is read), and then reads and checks one tensor at a time, straight into
-its destination; `verify_file` checks every range in one pass.
+its destination.
 """
 
 from __future__ import annotations
@@ -400,31 +400,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def verify_file(path: str | os.PathLike, entry: dict[str, Any]) -> None:
-    """Check every byte of `path` against its manifest entry, in one pass (CheckpointError if not)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.stat().st_size != entry["bytes"]:
-        raise CheckpointError(
-            f"{path}: {path.stat().st_size} bytes, its manifest says {entry['bytes']}: the "
-            f"file is truncated or was replaced"
-        )
-    ranges = sorted([*entry["records"], *entry["other"]])
-    with open(path, "rb") as f:
-        for offset, length, sha in ranges:
-            f.seek(offset)
-            digest, left = hashlib.sha256(), length
-            while left:
-                chunk = f.read(min(left, CHUNK_BYTES))
-                if not chunk:
-                    raise CheckpointError(f"{path}: truncated at byte {f.tell()}")
-                digest.update(chunk)
-                left -= len(chunk)
-            if digest.hexdigest() != sha:
-                raise CheckpointError(
-                    f"{path}: the bytes at offset {offset} do not match the sha256 in its "
-                    f"manifest: the file is corrupt"
-                )

@@ -7,6 +7,7 @@ memory costs only the pages that batches actually touch.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -78,3 +79,53 @@ def get_windows(
         inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
     return inputs.to(device), targets.to(device)
+
+
+def batch_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator that depends only on (seed, step, stream): batches survive a resume.
+
+    stream 0 draws the training batches, stream 1 the validation estimates.
+    """
+    mixed = np.random.SeedSequence([seed, step, stream]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(mixed))
+
+
+def global_batch_starts(seed: int, step: int, batch_size: int, num_starts: int) -> torch.Tensor:
+    """Window starts of the global batch of update `step` (0-based): [batch_size], a function of (seed, step).
+
+    Rank r takes micro-batches r * grad_accum_steps ... (r + 1) * grad_accum_steps - 1 of it, each a
+    contiguous slice (see micro_batch_starts), so every world size and accumulation trains on the
+    very same tokens in every step.
+    """
+    return torch.randint(0, num_starts, (batch_size,), generator=batch_generator(seed, step))
+
+
+def micro_batch_starts(
+    starts: torch.Tensor, rank: int, micro_step: int, world_size: int, grad_accum_steps: int
+) -> torch.Tensor:
+    """Rank `rank`'s micro-batch `micro_step` of the global batch `starts`."""
+    micro = len(starts) // (world_size * grad_accum_steps)
+    index = rank * grad_accum_steps + micro_step
+    return starts[index * micro : (index + 1) * micro]
+
+
+@dataclass
+class TrainBatches:
+    """One rank's micro-batches: update `step` (1-based) trains on the global batch that
+    `global_batch_starts` draws for step - 1, of which this rank takes its `grad_accum_steps` slices."""
+
+    tokens: np.ndarray
+    seed: int
+    batch_size: int  # the global batch, in sequences
+    context_length: int
+    rank: int
+    world_size: int
+    grad_accum_steps: int
+    device: torch.device
+
+    def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of micro-batch `micro_step` of update `step`, each int64 [B, T] on the device."""
+        num_starts = num_window_starts(self.tokens, self.context_length)
+        starts = global_batch_starts(self.seed, step - 1, self.batch_size, num_starts)
+        mine = micro_batch_starts(starts, self.rank, micro_step, self.world_size, self.grad_accum_steps)
+        return get_windows(self.tokens, mine, self.context_length, self.device)

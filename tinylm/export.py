@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 
+from tinylm.corpus.format import END_OF_TEXT
 from tinylm.io import atomic_dir
 from tinylm.model import Transformer
-from tinylm.state import load_model
+from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 from tinylm.tokenizer.tokenizer import gpt2_byte_to_char
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EOT = "<|endoftext|>"
 
 # The export check: the tokenizer must give our ids on this text (with every special token added),
 # and the logits must match ours within this tolerance, relative to the largest logit (and at least
@@ -73,16 +73,11 @@ def export_hf(
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    model, step = load_model(checkpoint_dir, step)
     tokenizer = Tokenizer.load(tokenizer_path)
+    model, step = load_model(checkpoint_dir, step, tokenizer=tokenizer)
     where = f"{Path(checkpoint_dir) / f'step_{step}.pt'} with {tokenizer_path}"
-    if model.vocab_size != len(tokenizer.vocab):
-        raise ExportError(
-            f"{where}: model vocabulary {model.vocab_size} differs from the tokenizer's "
-            f"{len(tokenizer.vocab)}"
-        )
-    if EOT not in tokenizer.special_ids:
-        raise ExportError(f"{tokenizer_path}: has no {EOT} special token (bos and eos of the export)")
+    if END_OF_TEXT not in tokenizer.special_ids:
+        raise ExportError(f"{tokenizer_path}: has no {END_OF_TEXT} special token (bos and eos of the export)")
     tokenizer_json = hf_tokenizer_json(tokenizer, where)
     tensors = llama_state_dict(model, DTYPES[dtype])
 
@@ -188,11 +183,11 @@ def hf_tokenizer_json(tokenizer: Tokenizer, where: str = "tokenizer") -> str:
 def hf_configs(model: Transformer, tokenizer: Tokenizer, dtype: str) -> dict[str, dict[str, Any]]:
     """config.json, tokenizer_config.json, special_tokens_map.json and generation_config.json."""
     c = model.config
-    eot_id = tokenizer.special_ids[EOT]
-    others = [t for t in tokenizer.special_tokens if t != EOT]
+    eot_id = tokenizer.special_ids[END_OF_TEXT]
+    others = [t for t in tokenizer.special_tokens if t != END_OF_TEXT]
     special = {
-        "bos_token": EOT,
-        "eos_token": EOT,
+        "bos_token": END_OF_TEXT,
+        "eos_token": END_OF_TEXT,
         **({"additional_special_tokens": others} if others else {}),
     }
     config = {

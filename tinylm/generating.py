@@ -13,16 +13,16 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TextIO
 
 import pandas as pd
 import torch
 
+from tinylm.corpus.format import END_OF_TEXT
 from tinylm.io import atomic_write_text
 from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
-from tinylm.state import load_model
+from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 
 # Most likely tokens `nucleus` tries first; when their mass is below top_p it sorts all tokens.
@@ -175,20 +175,16 @@ def stream_text(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
 def load_for_sampling(
     checkpoint_dir: str | os.PathLike, tokenizer_path: str | os.PathLike, step: int | None = None
 ) -> tuple[Transformer, Tokenizer, int, int]:
-    """(model, tokenizer, step, id of <|endoftext|>) of a published checkpoint, on CUDA if there is one.
+    """(model, tokenizer, step, id of END_OF_TEXT) of a published checkpoint, on CUDA if there is one.
 
-    The model's vocabulary must be the tokenizer's, and the tokenizer must have <|endoftext|>.
+    The model's vocabulary must be the tokenizer's, and the tokenizer must have END_OF_TEXT.
     """
     tokenizer = Tokenizer.load(tokenizer_path)
-    model, step = load_model(checkpoint_dir, step, "cuda" if torch.cuda.is_available() else "cpu")
-    if model.vocab_size != len(tokenizer.vocab):
-        raise ValueError(
-            f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} "
-            f"differs from {tokenizer_path}'s {len(tokenizer.vocab)}"
-        )
-    if "<|endoftext|>" not in tokenizer.special_ids:
-        raise ValueError(f"{tokenizer_path}: has no <|endoftext|> special token to end samples with")
-    return model, tokenizer, step, tokenizer.special_ids["<|endoftext|>"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, step = load_model(checkpoint_dir, step, device, tokenizer)
+    if END_OF_TEXT not in tokenizer.special_ids:
+        raise ValueError(f"{tokenizer_path}: has no {END_OF_TEXT} special token to end samples with")
+    return model, tokenizer, step, tokenizer.special_ids[END_OF_TEXT]
 
 
 def write_samples(
@@ -235,7 +231,7 @@ def write_samples(
             eos_id,
             generator,
         )
-        ended = "stopped at <|endoftext|>" if new and new[-1] == eos_id else f"{len(new)} tokens"
+        ended = f"stopped at {END_OF_TEXT}" if new and new[-1] == eos_id else f"{len(new)} tokens"
         completion = tokenizer.decode([t for t in new if t != eos_id])
         parts.append(
             f"\n===== sample {i} ({ended}) =====\n----- prompt -----\n{prompt}\n"

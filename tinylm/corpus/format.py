@@ -1,4 +1,4 @@
-"""The corpus format shared by every source: documents joined by SEPARATOR, and its errors.
+"""The corpus format shared by every source: documents joined by END_OF_TEXT, and its errors.
 
 train.txt and valid.txt hold plain UTF-8 text: documents joined by `<|endoftext|>`, GPT-2 style,
 with no newline added around the separator (`doc<|endoftext|>doc`) and none after the last one.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import BinaryIO
 
-SEPARATOR = "<|endoftext|>"
+END_OF_TEXT = "<|endoftext|>"  # separates documents; the special token that ends a sample
 
 
 class CorpusError(ValueError):

