@@ -42,7 +42,7 @@ from tinylm.io import atomic_dir
 from tinylm.model import Transformer
 from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
-from tinylm.tokenizer.tokenizer import gpt2_byte_to_char
+from tinylm.tokenizer.files import bytes_to_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,12 +148,11 @@ def hf_tokenizer_json(tokenizer: Tokenizer, where: str = "tokenizer") -> str:
     from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
-    to_char = gpt2_byte_to_char()
     if sorted(tokenizer.vocab) != list(range(len(tokenizer.vocab))):
         raise ExportError(f"{where}: token ids are not 0 .. {len(tokenizer.vocab) - 1}")
     vocab: dict[str, int] = {}
     for i, token in sorted(tokenizer.vocab.items()):
-        text = "".join(to_char[b] for b in token)
+        text = bytes_to_text(token)
         if text in vocab:
             raise ExportError(
                 f"{where}: tokens {vocab[text]} and {i} are both {token!r}; a Hugging Face "
@@ -161,11 +160,7 @@ def hf_tokenizer_json(tokenizer: Tokenizer, where: str = "tokenizer") -> str:
             )
         vocab[text] = i
     # Our encoder uses the first merge of a repeated pair; Hugging Face's the last. Keep the first.
-    merges = list(
-        dict.fromkeys(
-            ("".join(to_char[b] for b in a), "".join(to_char[b] for b in c)) for a, c in tokenizer.merges
-        )
-    )
+    merges = list(dict.fromkeys((bytes_to_text(a), bytes_to_text(c)) for a, c in tokenizer.merges))
     hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex
     hf.decoder = decoders.ByteLevel()
