@@ -235,6 +235,22 @@ def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
     atomic_write_text(a.output, json.dumps(json_schema(), indent=2) + "\n")
 
 
+
+def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """--tokenizer, --checkpoint-dir and --state-dir: what evaluate, generate, sample and export read."""
+    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when "
+        "the run the config describes has newer committed steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+    )
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinylm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
@@ -278,18 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-        "config describes has newer committed steps there: it trains or was stopped)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
-    )
+    checkpoint_arguments(p)
     p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
     p.add_argument("--output", default=f"{R}/eval.csv")
     p.add_argument("--plot", default=f"{R}/eval.png")
@@ -305,18 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-        "config describes has newer committed steps there: it trains or was stopped)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
-    )
+    checkpoint_arguments(p)
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
     p.add_argument("--output", default=f"{R}/samples.txt")
 
@@ -327,34 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus threshold (default: generate.top_p)")
     p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-        "config describes has newer committed steps there: it trains or was stopped)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
-    )
+    checkpoint_arguments(p)
 
     p = stage(
         "export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)"
     )
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when the run the "
-        "config describes has newer committed steps there: it trains or was stopped)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
-    )
+    checkpoint_arguments(p)
     p.add_argument("--output", default=f"{R}/hf")
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")

@@ -3,22 +3,15 @@
     state_dir/step_0000500/{checkpoint.pt, weights.pt, manifest.json}   (see docs/architecture.md)
 
 A step folder exists for readers only once its manifest is written (the commit); one without is an
-interrupted write, ignored and removed by the next commit. checkpoint.pt holds the full state in
-torch's consolidated format ({model, optimizer, iteration} and the trainer's entries), weights.pt
-what evaluation and generation need; the newest `keep` folders stay, older steps keep their
-weights, published in state_dir/published/ (tinylm/published.py).
+interrupted write, removed by the next commit. Two collectives, called by every rank:
 
-Two collectives, called by every rank:
-
-- `save_step`: rank 0 plans both files (tinylm/checkpoint.py: everything but the tensor data), then
-  every rank writes the tensors it holds into them in place, hashing while it writes (a parameter's
-  owner its weights and sharded optimizer state, rank 0 the rest), so no rank ever holds more than
-  its own state and one piece of one tensor. Rank 0 then writes the manifest, publishes and
-  prunes. The ranks meet through the store (tinylm/parallel/heartbeat.py), not in collectives,
-  so a slow disk is never taken for a hung rank.
-- `restore_step`: each rank reads, one tensor at a time and each checked against the manifest, the
-  model and the optimizer state of the parameters it steps. The consolidated format is keyed by
-  global parameter index, so a step saved at one world size resumes at any other.
+- `save_step`: rank 0 plans both files (tinylm/checkpoint.py), every rank writes the tensors it
+  holds into them in place (a parameter's owner its weights and sharded optimizer state, rank 0
+  the rest), hashing as it writes; rank 0 writes the manifest, publishes and prunes. The ranks
+  meet through the store (tinylm/parallel/heartbeat.py), so a slow disk is never a hung rank.
+- `restore_step`: each rank reads, one checked tensor at a time, the model and the optimizer state
+  of the parameters it steps; the consolidated format (keyed by global parameter index) resumes
+  at any world size.
 
 Every byte is checked against the manifest's sha256 before it is parsed or used, and pickles are
 parsed only with `torch.load(..., weights_only=True)`: a corrupt or hostile file is refused.

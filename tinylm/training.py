@@ -17,10 +17,9 @@ So the same config at any world size or accumulation trains on the same tokens a
 rounding, to the same weights; a run may be resumed at another world size. Each step costs one
 host sync (the loss and gradient norm, read together for the log and the non-finite check).
 
-Rank 0 logs progress (`TrainingLog`), runs validation estimates and, with every rank, commits
-checkpoints into the state folder (tinylm/state.py), which are then published into the checkpoint
-folder. A killed run resumes from the newest committed step and, at the same world size, continues
-bit-identically.
+Rank 0 logs (tinylm/train_log.py) and runs validation estimates; every rank joins each commit of a
+checkpoint (tinylm/state.py). A killed run resumes from its newest committed step, bit-identically
+at the same world size.
 """
 
 from __future__ import annotations
@@ -132,8 +131,8 @@ def train(
 
     Every check that can fail before training runs here, in the launching process, so that a bad
     file or value is one clear error rather than one per rank. `run_name` (a sweep's run) labels
-    every log line: `[pretrain <name>] ...`. A run whose state already holds its last
-    step is finished: it says so, trains nothing and publishes its checkpoints again.
+    every log line. A run whose state holds its last step is finished: it says so, trains nothing
+    and publishes its checkpoints again.
     """
     set_run_name(run_name)
     tokenizer = Tokenizer.load(tokenizer_path)
@@ -207,13 +206,10 @@ def train(
             return []
         published = published_lib.publish(state_dir, checkpoint_dir)
         steps = [p.stem.removeprefix("step_") for p in published]
-        listed = (
-            ", ".join(steps) if len(steps) <= 6 else f"{', '.join(steps[:2])}, ..., {', '.join(steps[-2:])}"
-        )
+        listed = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-2:]])
         log_line(
             True,
-            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: "
-            f"{state_dir})",
+            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: {state_dir})",
         )
         return published
 
