@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None, help="run here (default: a new temp folder)")
     parser.add_argument(
-        "--cache-dir", default=None, help="corpus.cache_dir to use (reuse a downloaded wheel)"
+        "--cache-dir", default=None, help="corpus.cache_dir to use (url sources: reuse their downloads)"
     )
     parser.add_argument(
         "--set",
