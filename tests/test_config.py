@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tinylm import config_docs
+from tinylm.config import docs as config_docs
 from tinylm.config import Config, ConfigError, TrainConfig, from_dict, load_config, run_hash
 from tinylm.config import key as config_key
 
@@ -33,7 +33,7 @@ def test_shipped_config_is_valid_and_matches_the_dataclass_defaults():
 
 
 def test_config_docs_are_generated_from_the_dataclasses():
-    """config.yaml's comments and config/README.md's tables are what tinylm/config.py generates."""
+    """config.yaml's comments and config/README.md's tables are what tinylm/config/ generates."""
     assert config_docs.drift(ROOT) == [], "run `python -m tinylm config-docs` to regenerate them"
     readme = (ROOT / "config" / "README.md").read_text()
     for section, keys in Config().to_dict().items():
@@ -126,7 +126,7 @@ def test_config_docs_check_command(tmp_path):
     proc = check(tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "tinylm config-docs: error: config/config.yaml: not what tinylm/config.py generates; "
+        "tinylm config-docs: error: config/config.yaml: not what tinylm/config/ generates; "
         "run `python -m tinylm config-docs`"
     ]
 

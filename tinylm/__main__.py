@@ -229,13 +229,13 @@ def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
 
 
 def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
-    from tinylm import config_docs
+    from tinylm.config import docs as config_docs
 
     if a.check:
         drifted = config_docs.drift(a.root)
         if drifted:
             raise ValueError(
-                f"{', '.join(drifted)}: not what tinylm/config.py generates; "
+                f"{', '.join(drifted)}: not what tinylm/config/ generates; "
                 "run `python -m tinylm config-docs`"
             )
         print(
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=f"{R}/compare.csv")
     p.add_argument("--plot", default=f"{R}/compare.png")
 
-    about = "write config/config.yaml and config/README.md's key tables from tinylm/config.py"
+    about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
     p = sub.add_parser("config-docs", help=about, description=about)
     p.add_argument("--check", action="store_true", help="only say whether they differ (exit status 1)")
     p.add_argument("--root", default=".", help="the repository root (default: the current folder)")

@@ -1,0 +1,175 @@
+"""Named runs (`runs:` sweeps) and the hashes and weight configs that identify a run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tinylm.config.keys import ConfigError
+from tinylm.config.loading import from_dict, read_config_file
+from tinylm.config.sections import Config, ModelConfig
+from tinylm.config.train import TrainConfig
+
+DEFAULT_RUN = "default"
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def run_configs(raw: Any) -> dict[str, Config]:
+    """Every run of a raw config: the main config as "default", then each entry of `runs:` in order.
+
+    A run is the main config with its overrides applied: `{"train.lr_max": 0.003}` sets that key.
+    Each run is validated like the main config, and an error names the run and the key. A run name
+    must be a safe path component (letters, digits, `_ . -`, starting with a letter or digit, at
+    most 64 characters), not "default", and distinct from the others also when case is ignored (it
+    names a folder).
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    raw = dict(raw)
+    runs = raw.pop("runs", None) or {}
+    configs = {DEFAULT_RUN: from_dict(raw)}
+    if not isinstance(runs, dict):
+        raise ConfigError(f"runs: expected a mapping of run names to overrides, got {runs!r}")
+    folded: dict[str, str] = {}
+    for name, overrides in runs.items():
+        if not isinstance(name, str) or not RUN_NAME.match(name) or name == DEFAULT_RUN:
+            raise ConfigError(
+                f"runs: {name!r} is not a valid run name (letters, digits, '_', '.', '-', starting "
+                f"with a letter or digit, at most 64 characters, not {DEFAULT_RUN!r})"
+            )
+        if name.lower() in folded:
+            raise ConfigError(
+                f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
+                f"case-insensitive file system"
+            )
+        folded[name.lower()] = name
+        configs[name] = _apply_overrides(raw, name, overrides)
+    return configs
+
+
+def _apply_overrides(raw: dict, name: str, overrides: Any) -> Config:
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
+    merged = copy.deepcopy(raw)
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key, value in overrides.items():
+        section, _, field_name = str(key).partition(".")
+        if section not in sections or not field_name:
+            raise ConfigError(
+                f"runs.{name}: {key!r} is not a dotted key 'section.key' of the config "
+                f"(sections: {', '.join(sections)})"
+            )
+        merged.setdefault(section, {})
+        if merged[section] is None:
+            merged[section] = {}
+        merged[section][field_name] = value
+    try:
+        return from_dict(merged)
+    except ConfigError as e:
+        raise ConfigError(f"runs.{name}: {e}") from None
+
+
+def run_overrides(raw: Any) -> dict[str, dict[str, Any]]:
+    """The overrides of every run (`{}` for "default"), as given in `runs:`."""
+    runs = (raw or {}).get("runs") or {}
+    return {DEFAULT_RUN: {}, **{name: dict(overrides or {}) for name, overrides in runs.items()}}
+
+
+def config_hash(*sections: Any) -> str:
+    """A stable short hash of config sections (dataclasses or plain data)."""
+    data = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections]
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# Train keys that decide how a run is executed, logged, kept or waited for, never which updates it
+# makes: the global batch of every step is the same at any world size or accumulation (see
+# tinylm/training.py), so a run may be resumed with other values of these. Changing world_size,
+# grad_accum_steps, threads_per_rank, backend, compile or deterministic changes the weights within
+# float tolerance only; the rest not at all.
+EXECUTION_TRAIN_KEYS = frozenset(
+    {
+        "world_size",
+        "grad_accum_steps",
+        "threads_per_rank",
+        "backend",
+        "compile",
+        "deterministic",
+        "bucket_size_mb",
+        "shard_optimizer",
+        "peak_flops",
+        "log_interval",
+        "val_interval",
+        "val_batches",
+        "timeout_s",
+        "keep_checkpoints",
+    }
+)
+
+
+# Train keys of the optimizer choice. With `optimizer: adamw` (the original design's optimizer) they
+# change nothing and stay out of the weight config, so every AdamW run keeps the run hash and the
+# resume state it had before Muon was added; a state without them was written by AdamW.
+OPTIMIZER_CHOICE_KEYS = frozenset(
+    {
+        "optimizer",
+        "muon_lr",
+        "muon_momentum",
+        "muon_weight_decay",
+        "muon_ns_steps",
+        "muon_adjust_lr",
+        "embedding_lr",
+        "head_lr",
+    }
+)
+
+
+def weight_config(cfg: Config) -> dict[str, Any]:
+    """The model and train keys that decide the trained weights (the train section without execution keys).
+
+    At `train.optimizer: adamw` the keys of OPTIMIZER_CHOICE_KEYS are left out too (see there).
+    """
+    left_out = EXECUTION_TRAIN_KEYS | (OPTIMIZER_CHOICE_KEYS if cfg.train.optimizer == "adamw" else set())
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in left_out}
+    return {"model": dataclasses.asdict(cfg.model), "train": train}
+
+
+def default_weight_config() -> dict[str, dict[str, Any]]:
+    """Every key a weight config may hold, at its default: what one that leaves a key out means by it."""
+    train = {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k not in EXECUTION_TRAIN_KEYS}
+    return {"model": dataclasses.asdict(ModelConfig()), "train": train}
+
+
+def run_hash(cfg: Config) -> str:
+    """Identifies one training run: everything that decides the trained weights."""
+    return config_hash(cfg.corpus, cfg.tokenizer, weight_config(cfg))
+
+
+def data_hash(cfg: Config) -> str:
+    """Identifies the data stages' outputs (corpus, tokenizer, token files): runs with equal ones share them.
+
+    `num_workers` never changes an output, so it is left out.
+    """
+    tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
+    return config_hash(cfg.corpus, tokenizer)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file (its `runs:` too); errors name the file and the key.
+
+    Returns the main config (the run "default"); see `run_configs` for the named runs.
+    """
+    try:
+        return run_configs(read_config_file(path))[DEFAULT_RUN]
+    except ConfigError as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(f"{path}: ") else f"{path}: {message}") from None

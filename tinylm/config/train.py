@@ -1,0 +1,250 @@
+"""The `train:` section: the pretrain stage's keys, each with its default and explanation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinylm.config.keys import key
+
+
+@dataclass
+class TrainConfig:
+    """stage `pretrain`"""
+
+    seed: int = key(
+        0,
+        lo=0,
+        help="rank r seeds torch, numpy and random with `seed + r`",
+        more="(the model is initialised on rank 0 and broadcast); the global batch of each step is a pure "
+        "function of (seed, step)",
+    )
+    world_size: int = key(
+        2,
+        lo=1,
+        help="data-parallel ranks (`mp.spawn`, or the WORLD_SIZE of torchrun, which must match)",
+        more="May change on resume: the data stream is the same",
+    )
+    backend: str = key(
+        "auto",
+        choices=["auto", "gloo", "nccl"],
+        help="`auto` (nccl with CUDA, else gloo) | `gloo` | `nccl`",
+        more="`auto`: nccl with one CUDA device per rank when the machine has enough, otherwise gloo on the "
+        "CPU (said in one line when GPUs exist but are fewer than the ranks, so the default config runs "
+        "anywhere); `gloo` (CPU); `nccl` (refused before anything starts when the machine has fewer CUDA "
+        "devices than ranks)",
+    )
+    threads_per_rank: int = key(
+        1,
+        lo=1,
+        help="`torch.set_num_threads` in each rank",
+        more="(part of the reproducibility promise)",
+    )
+    timeout_s: float = key(
+        300.0,
+        lo=1.0,
+        help="collective timeout: a crashed or hung rank ends the job within about this long",
+        more="While checkpointing: a rank that makes no progress for this long (a slow disk still makes "
+        "progress)",
+    )
+    batch_size: int = key(
+        32,
+        lo=1,
+        help="global batch (sequences per update), the same at any world size",
+        more="Its window starts are drawn from a generator seeded by (`seed`, step) alone; rank r's "
+        "micro-batch m is slice r * `grad_accum_steps` + m of it. So every world size and accumulation "
+        "trains on the very same tokens (must be divisible by `world_size * grad_accum_steps`)",
+    )
+    grad_accum_steps: int = key(
+        1,
+        lo=1,
+        help="micro-steps per update (gradient accumulation)",
+        more="Each rank runs `batch_size / (world_size * grad_accum_steps)` sequences at a time, all "
+        "micro-steps but the last inside `ddp.no_sync()`, each micro-loss divided by `grad_accum_steps`. "
+        "Raise it when the global batch does not fit in memory; it costs little speed once the micro-batch "
+        "keeps the device busy",
+    )
+    dtype: str = key(
+        "bfloat16",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="forward-pass autocast: `auto` (bfloat16 on a GPU that has it, else float32) | `float32` | "
+        "`bfloat16` | `float16`; bfloat16 pays on CPUs with AVX-512 BF16 (the project's), else set `auto`",
+        more="Parameters and optimizer state stay float32 and the loss is computed in float32. `float16` "
+        "uses dynamic loss scaling (`tinylm.precision.LossScaler`, the rule and state of "
+        "`torch.amp.GradScaler`): "
+        "an update whose gradients overflow (a non-finite global gradient norm, the same on every rank) is "
+        "skipped on every rank alike and the scale halves; its state is in the checkpoint. On the project's "
+        "machine (AVX-512 BF16 and AMX) bfloat16 gives 1.18x float32's tokens/s (bench/RESULTS.md); on CPUs "
+        "without bf16 instructions it is slower than float32",
+    )
+    compile: bool = key(
+        False,
+        help="`torch.compile` each Transformer block (compiles once, at the first step)",
+        more="Each block is compiled on its own (one compiled graph, reused by every block), so that each "
+        "block's backward is one autograd node and DDP's gradient buckets start their communication while "
+        "earlier blocks are still in backward (a whole-model graph would start none before its backward "
+        "ends). Each rank's Inductor gets `cores / ranks on this machine` compile threads (at least 1; "
+        "`TORCHINDUCTOR_COMPILE_THREADS` wins). The first step includes the compilation and its time is "
+        "printed. Checkpoints keep plain parameter names. Pays on GPUs and for larger models; on the CPU "
+        "measure first (bench/train_step.py)",
+    )
+    deterministic: bool = key(
+        True,
+        help="deterministic kernels (bit-identical reruns) instead of the fastest (TF32, cuDNN attention)",
+        more="`true`: `torch.use_deterministic_algorithms(True)` (an op without a deterministic kernel is an "
+        "error, not a warning), deterministic flash / memory-efficient attention backward, cuDNN attention "
+        "off, a fixed cuBLAS workspace and no TF32, so a CUDA run reproduces bit for bit on the same "
+        "machine. `false`: the fastest kernels, TF32 matmuls for float32 and cuDNN attention; reruns differ "
+        "in the last bits. On the CPU the cost is nil (the same kernels run). On GPUs it costs the "
+        "deterministic attention backward and, for float32 models, the TF32 matmul speed-up; `bench/gpu.py` "
+        "measures it (not measured yet: no GPU has been lent to this project)",
+    )
+    peak_flops: float | None = key(
+        None,
+        lo=0.0,
+        lo_open=True,
+        help="peak FLOP/s of one device for the MFU in the log; `null` = a table of common GPUs",
+        more="(`tinylm/throughput.py`: bfloat16/float16, TF32 or float32 column by dtype); on the CPU MFU is "
+        "shown only when this is set",
+    )
+    max_iters: int = key(1000, lo=1, help="optimizer steps (about 6 minutes on 2 CPU cores)")
+    lr_max: float = key(6e-3, lo=0.0, lo_open=True, help="peak learning rate, after warmup")
+    lr_min: float = key(
+        6e-4, lo=0.0, help="learning rate at the end of the cosine and after it", more="(<= `lr_max`)"
+    )
+    warmup_iters: int = key(50, lo=0, help="linear warmup steps from 0 to `lr_max`")
+    cos_cycle_iters: int | None = key(
+        None, lo=1, help="step where the cosine reaches `lr_min`; `null` = `max_iters`"
+    )
+    weight_decay: float = key(
+        0.7,
+        lo=0.0,
+        help="AdamW decoupled weight decay, on the weight matrices only",
+        more="(the tuned default: the held-out plays reward regularisation, see bench/RESULTS.md); with "
+        "`optimizer: muon` on the embedding and the head (the Muon matrices take `muon_weight_decay`)",
+    )
+    beta1: float = key(0.9, lo=0.0, hi=1.0, help="AdamW first-moment decay")
+    beta2: float = key(0.99, lo=0.0, hi=1.0, help="AdamW second-moment decay")
+    eps: float = key(1e-8, lo=0.0, lo_open=True, help="AdamW epsilon")
+    grad_clip: float = key(
+        1.0, lo=0.0, lo_open=True, help="the global L2 norm of the averaged gradients is clipped to this"
+    )
+    optimizer: str = key(
+        "adamw",
+        choices=["adamw", "muon"],
+        help="`adamw` (every parameter) | `muon` (Muon for the blocks' weight matrices, AdamW for the "
+        "embedding, head and gains)",
+        more="`adamw`: AdamW for every parameter (`tinylm/optim.py`), the original design's optimizer. "
+        "`muon`: Muon (`tinylm/muon.py`: Nesterov momentum, its update orthogonalised by five quintic "
+        "Newton-Schulz steps, Keller Jordan's algorithm, as `torch.optim.Muon` computes it) for the 2-D "
+        "weight matrices of the Transformer blocks, and AdamW (`beta1`, `beta2`, `eps`) for the token "
+        "embedding, the output head (both with `weight_decay`) and every 1-D parameter (no decay). Each "
+        "group has its own peak learning rate (`muon_lr`, `embedding_lr`, `head_lr`, `lr_max`) and the same "
+        "warmup and cosine, from 0 to its peak and down to peak x `lr_min / lr_max`; TensorBoard gets one "
+        "scalar per group (`lr/matrices`, `lr/embedding`, `lr/head`, `lr/gains`; with AdamW `lr/matrices`, "
+        "`lr/gains`), and the log line shows the first group's. Works sharded, with DDP, accumulation, "
+        "autocast and compile; a resume that changes it is refused (`train.optimizer differs`)",
+    )
+    muon_lr: float = key(
+        0.02,
+        lo=0.0,
+        lo_open=True,
+        help="`muon`: peak learning rate of the Muon matrices (the schedule scales every group alike)",
+        more="Keller Jordan's default. Each matrix's step is further scaled by its shape, see "
+        "`muon_adjust_lr`",
+    )
+    muon_momentum: float = key(
+        0.95,
+        lo=0.0,
+        hi=1.0,
+        help="`muon`: Nesterov momentum of the Muon matrices (below 1)",
+        more="An average of the gradients, B = m B + (1 - m) G, used Nesterov-style",
+    )
+    muon_weight_decay: float = key(
+        0.0,
+        lo=0.0,
+        help="`muon`: decoupled weight decay of the Muon matrices (`weight_decay` stays AdamW's)",
+        more="W <- W (1 - lr x this); Keller Jordan's default is 0",
+    )
+    muon_ns_steps: int = key(
+        5,
+        lo=1,
+        help="`muon`: quintic Newton-Schulz steps orthogonalising each update",
+        more="(five bring every singular value of the update into about [0.68, 1.21])",
+    )
+    muon_adjust_lr: str = key(
+        "original",
+        choices=["original", "match_rms_adamw"],
+        help="`muon`: update scale per matrix, `original` (sqrt(max(1, rows/cols))) | `match_rms_adamw` "
+        "(0.2 sqrt(max(rows, cols)))",
+        more="The scales of `torch.optim.Muon`'s `adjust_lr_fn`: `original` is Keller Jordan's, "
+        "`match_rms_adamw` Moonshot's (an update of AdamW's size, so AdamW's lr and decay carry over)",
+    )
+    embedding_lr: float | None = key(
+        None,
+        lo=0.0,
+        lo_open=True,
+        help="`muon`: peak learning rate of the token embedding (AdamW); `null` = `lr_max`",
+        more="(refused with `adamw`)",
+    )
+    head_lr: float | None = key(
+        None,
+        lo=0.0,
+        lo_open=True,
+        help="`muon`: peak learning rate of the output head (AdamW); `null` = `lr_max`",
+        more="(refused with `adamw`)",
+    )
+    bucket_size_mb: float = key(
+        25.0,
+        lo=0.0,
+        lo_open=True,
+        help="DDP gradient bucket size",
+        more="One all-reduce per bucket (with `shard_optimizer`, one reduce per owner in the bucket), "
+        "overlapping backward. Gradients live in the buckets and are never copied: each step zeroes the "
+        "buckets and backward accumulates straight into them",
+    )
+    shard_optimizer: bool = key(
+        True,
+        help="ZeRO-1: with `world_size > 1` each rank keeps the optimizer state of its share of the "
+        "parameters only",
+        more="(AdamW's moments, Muon's momentum; whole parameters, so each owner orthogonalises whole "
+        "matrices) and writes that share of each checkpoint. Each gradient bucket is reduced to the owners "
+        "of its parameters only, the owners step and send the new values out: a step sends what plain "
+        "DDP's all-reduce sends, not 1.5x. The gradient clip uses one small all-reduce of the owners' "
+        "squared norms",
+    )
+    log_interval: int = key(
+        50,
+        lo=1,
+        help="a progress line every this many steps: step, loss, lr, tokens/s, MFU, peak memory, ETA",
+        more="The loss is the mean over the steps since the previous line; tokens/s and MFU (model FLOPs per "
+        "token, 6 x matmul weights + 12 x layers x d_model x context, over the devices' peak; see "
+        "`peak_flops`) count the training steps only (validation and checkpoint writes are timed and "
+        "printed on lines of their own); peak memory is CUDA's allocated memory, or the process's peak RSS "
+        "on the CPU; under float16 the line also shows the loss scale",
+    )
+    val_interval: int = key(
+        250,
+        lo=1,
+        help="a quick validation estimate every this many steps",
+        more="(`val_batches` random batches; TensorBoard `val_loss`)",
+    )
+    val_batches: int = key(
+        20,
+        lo=1,
+        help="random batches per validation estimate",
+        more="(the `evaluate` stage computes the exact loss)",
+    )
+    checkpoint_interval: int = key(
+        250, lo=1, help="a committed checkpoint every this many steps (and at the end)"
+    )
+    keep_checkpoints: int = key(
+        2,
+        lo=2,
+        help="full resume states kept (at least 2); older steps keep their weights only",
+        more='(see "Disk" below)',
+    )
+
+    @property
+    def cos_cycle(self) -> int:
+        """The last step of the cosine decay (defaults to max_iters)."""
+        return self.max_iters if self.cos_cycle_iters is None else self.cos_cycle_iters
