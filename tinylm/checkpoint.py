@@ -1,4 +1,4 @@
-"""Checkpoint files: the seed's format, and how a large one is written and read piece by piece.
+"""Checkpoint files: {model, optimizer, iteration}, and how a large one is written and read in pieces.
 
 A checkpoint is one torch.save'd dictionary with at least
     model      the model's state_dict
@@ -42,7 +42,6 @@ import torch
 from tinylm.io import atomic_path
 
 REQUIRED_KEYS = ("model", "optimizer", "iteration")
-WEIGHTS_KEYS = ("model", "iteration")  # what evaluation and generation need
 CHUNK_BYTES = 64 << 20  # tensors are written, read and hashed in pieces of at most this size
 FLUSH_BYTES = 256 << 20  # fdatasync after this much, so that no single flush is long
 _PLAIN_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
@@ -80,12 +79,8 @@ def save_checkpoint(
         torch.save(state, f)  # through a handle: the archive is named "archive", not after tmp
 
 
-def read_checkpoint(
-    path: str | os.PathLike,
-    map_location: str | torch.device = "cpu",
-    required: tuple[str, ...] = REQUIRED_KEYS,
-) -> dict[str, Any]:
-    """Load a checkpoint dictionary with weights_only=True and check its `required` entries.
+def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint dictionary with weights_only=True and check it has model, optimizer, iteration.
 
     Raises FileNotFoundError if `path` does not exist and CheckpointError if it cannot be loaded
     safely or lacks a required entry; both name the file.
@@ -96,7 +91,7 @@ def read_checkpoint(
     state = _torch_load(path, map_location)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
-    missing = [key for key in required if key not in state]
+    missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the entries {missing}")
     return state

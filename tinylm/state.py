@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from tinylm.checkpoint import (
     REQUIRED_KEYS,
-    WEIGHTS_KEYS,
     CheckpointError,
     CheckpointReader,
     Layout,
@@ -99,7 +98,7 @@ def save_step(
     rank, world_size = ctx.rank, ctx.world_size
     entries, per_rank = dict(entries or {}), dict(per_rank or {})
     for key, value in {**entries, **per_rank}.items():
-        if key in (*REQUIRED_KEYS, *WEIGHTS_KEYS):
+        if key in REQUIRED_KEYS:
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
     model_state = model.state_dict()
