@@ -169,7 +169,8 @@ def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
     checkpoint_dir, step = _checkpoints(cfg, a)
     write_samples(cfg.generate, checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
     print(
-        f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} written to {a.output}",
+        f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} "
+        f"written to {a.output}",
         file=sys.stderr,
     )
 
@@ -235,8 +236,7 @@ def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
         drifted = config_docs.drift(a.root)
         if drifted:
             raise ValueError(
-                f"{', '.join(drifted)}: not what tinylm/config/ generates; "
-                "run `python -m tinylm config-docs`"
+                f"{', '.join(drifted)}: not what tinylm/config/ generates; run `python -m tinylm config-docs`"
             )
         print(
             f"[config-docs] {config_docs.YAML_PATH} and {config_docs.README_PATH} are up to date",
@@ -245,7 +245,6 @@ def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
         return
     written = config_docs.write(a.root)
     print(f"[config-docs] rewrote: {', '.join(written) or 'nothing (already up to date)'}", file=sys.stderr)
-
 
 
 def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -262,6 +261,7 @@ def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
     )
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinylm", description=__doc__.splitlines()[0])

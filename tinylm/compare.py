@@ -1,7 +1,8 @@
 """Named runs side by side: every run's eval.csv and training wall times -> compare.csv and compare.png.
 
-    table = compare_runs([{"name": "default", "eval": "results/eval.csv", "checkpoints": "results/checkpoints",
-                           "overrides": {}, "values": {"train.lr_max": 0.006}}, ...])
+    table = compare_runs([{"name": "default", "eval": "results/eval.csv",
+                           "checkpoints": "results/checkpoints", "overrides": {},
+                           "values": {"train.lr_max": 0.006}}, ...])
     write_compare(table, "results/compare.csv", "results/compare.png")
 
 compare.csv has one row per run and checkpoint (COLUMNS); `train_seconds` is the training wall
@@ -85,7 +86,8 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
             raise ValueError(f"run {run['name']}: {path} lacks the columns {sorted(missing)}")
         values = run.get("values") or run.get("overrides") or {}
         first = runs[0].get("values") or runs[0].get("overrides") or {}
-        # The first run is the reference: it shows every key that differs, the others where they differ from it.
+        # The first run is the reference: it shows every key that differs, the others where they
+        # differ from it.
         shown = {
             key: values[key]
             for key in differs

@@ -253,9 +253,10 @@ def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> l
         "val_loss: mean cross-entropy (nats) over every predicted token, special tokens included",
         "val_ppl: exp(val_loss)",
         f"bits_per_byte: summed loss (bits) of the predicted tokens that are not special tokens ({names}) "
-        f"divided by their {stats.text_bytes} UTF-8 bytes; special tokens count 0 bytes (nanochat's convention), "
-        "so it compares runs of any two tokenizers",
-        "unigram_entropy: entropy (nats) of the scored tokens' distribution, the loss of the best context-free model",
+        f"divided by their {stats.text_bytes} UTF-8 bytes; special tokens count 0 bytes (nanochat's "
+        "convention), so it compares runs of any two tokenizers",
+        "unigram_entropy: entropy (nats) of the scored tokens' distribution, the loss of the best "
+        "context-free model",
         "gap_to_unigram: unigram_entropy - val_loss",
     ]
 

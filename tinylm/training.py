@@ -209,7 +209,8 @@ def train(
         listed = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-2:]])
         log_line(
             True,
-            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} (resume state: {state_dir})",
+            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} "
+            f"(resume state: {state_dir})",
         )
         return published
 

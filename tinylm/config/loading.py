@@ -140,11 +140,13 @@ def validate(cfg: Config) -> None:
         )
     if (model.d_model // model.num_heads) % 2:
         raise ConfigError(
-            f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} must be even for RoPE"
+            f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} "
+            f"must be even for RoPE"
         )
     if train.batch_size % (train.world_size * train.grad_accum_steps):
         raise ConfigError(
-            f"train.batch_size: {train.batch_size} is not divisible by train.world_size * train.grad_accum_steps "
+            f"train.batch_size: {train.batch_size} is not divisible by train.world_size * "
+            f"train.grad_accum_steps "
             f"= {train.world_size} * {train.grad_accum_steps} (each rank's micro-batch is "
             f"batch_size / (world_size * grad_accum_steps) sequences)"
         )

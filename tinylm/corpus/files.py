@@ -44,7 +44,8 @@ def files_writer(
         if documents < 2:
             raise CorpusError(
                 f"cannot hold out valid_fraction={valid_fraction} of {', '.join(map(str, train_files))}: "
-                f"it has {documents} document(s); give corpus.valid_files or separate documents with {END_OF_TEXT}"
+                f"it has {documents} document(s); give corpus.valid_files or separate documents with "
+                f"{END_OF_TEXT}"
             )
         valid_documents = min(documents - 1, max(1, round(documents * valid_fraction)))
         pieces = _pieces(

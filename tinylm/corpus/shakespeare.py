@@ -250,7 +250,8 @@ def plays_writer(valid_plays: list[str], package_dir: str | os.PathLike | None =
     unknown = [name for name in valid_plays if name not in plays]
     if unknown:
         raise ValueError(
-            f"corpus.valid_plays: unknown play(s) {', '.join(unknown)}; known plays: {', '.join(sorted(plays))}"
+            f"corpus.valid_plays: unknown play(s) {', '.join(unknown)}; known plays: "
+            f"{', '.join(sorted(plays))}"
         )
 
     def write(train_out: BinaryIO, valid_out: BinaryIO) -> tuple[int, int]:

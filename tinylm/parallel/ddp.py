@@ -101,7 +101,7 @@ class _Bucket:
             p.grad = view
 
     def close(self) -> None:
-        """Set the flags for this sync: 1 where the hook ran on this rank, else 0 (and the gradient zeroed)."""
+        """Set the flags for this sync: 1 where the hook ran on this rank, else 0 (gradient zeroed)."""
         for flags in self.all_flags:
             flags.fill_(1)
         for i, got in enumerate(self.got):
@@ -211,7 +211,7 @@ class DDP(nn.Module):
         self._start_ready_buckets()
 
     def _start_ready_buckets(self) -> None:
-        """Start the communication of every complete bucket, in bucket order, up to the first incomplete one."""
+        """Start the communication of every complete bucket, in order, up to the first incomplete one."""
         while self._next_bucket < len(self._buckets):
             bucket = self._buckets[self._next_bucket]
             if bucket.num_ready < len(bucket.params):

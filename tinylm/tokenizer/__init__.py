@@ -9,14 +9,13 @@ The stages: `train_tokenizer(input_path, output_path, vocab_size, special_tokens
 and `encode_corpus(tokenizer, input_path, output_path)` (encode).
 """
 
-from tinylm.tokenizer.bpe import MAX_UINT16_VOCAB, train_bpe, train_tokenizer
+from tinylm.tokenizer.bpe import train_bpe, train_tokenizer
 from tinylm.tokenizer.encode_corpus import encode_corpus
 from tinylm.tokenizer.pretokenize import GPT2_PATTERN
 from tinylm.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
     "GPT2_PATTERN",
-    "MAX_UINT16_VOCAB",
     "Tokenizer",
     "encode_corpus",
     "train_bpe",

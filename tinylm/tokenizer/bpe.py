@@ -31,14 +31,12 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from tinylm.config.keys import UINT16_VOCAB_LIMIT
 from tinylm.tokenizer.pair_index import PairIndex, pack_words
 from tinylm.tokenizer.pretokenize import check_readable, check_special_tokens, count_pretokens
 from tinylm.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# uint16 token files hold ids 0..65535.
-MAX_UINT16_VOCAB = 1 << 16
 
 
 def train_bpe(
@@ -85,7 +83,8 @@ def train_bpe(
     merges = merge_pairs(index, vocab, vocab_size - len(vocab), progress)
     if progress:
         print(
-            f"train_bpe {path}: pre-tokenized in {counted - start:.1f} s ({num_words:,} distinct pre-tokens), "
+            f"train_bpe {path}: pre-tokenized in {counted - start:.1f} s ({num_words:,} distinct "
+            f"pre-tokens), "
             f"index of {len(index.tokens):,} positions built in {built - counted:.1f} s, "
             f"{len(merges):,} merges in {time.perf_counter() - built:.1f} s",
             file=sys.stderr,
@@ -102,7 +101,8 @@ def check_vocab_size(vocab_size: int, special_tokens: Sequence[str]) -> None:
     smallest = 256 + len(special_tokens)
     if not isinstance(vocab_size, int) or vocab_size < smallest:
         raise ValueError(
-            f"vocab_size {vocab_size} is smaller than 256 bytes + {len(special_tokens)} special tokens = {smallest}"
+            f"vocab_size {vocab_size} is smaller than 256 bytes + {len(special_tokens)} special tokens "
+            f"= {smallest}"
         )
 
 
@@ -208,9 +208,9 @@ def train_tokenizer(
     All input is validated before anything is written; on any error `output_path` is untouched.
     Also refuses `vocab_size` above 65536, the most ids a uint16 token file holds.
     """
-    if isinstance(vocab_size, int) and vocab_size > MAX_UINT16_VOCAB:
+    if isinstance(vocab_size, int) and vocab_size > UINT16_VOCAB_LIMIT:
         raise ValueError(
-            f"vocab_size {vocab_size} is above {MAX_UINT16_VOCAB}, the most ids a uint16 token file can hold"
+            f"vocab_size {vocab_size} is above {UINT16_VOCAB_LIMIT}, the most ids a uint16 token file holds"
         )
     vocab, merges = train_bpe(
         input_path, vocab_size, special_tokens, num_workers, errors=errors, progress=progress

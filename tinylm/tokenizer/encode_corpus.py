@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tinylm.config.keys import UINT16_VOCAB_LIMIT
 from tinylm.io import atomic_path
-from tinylm.tokenizer.bpe import MAX_UINT16_VOCAB
 from tinylm.tokenizer.pretokenize import (
     check_readable,
     default_num_workers,
@@ -58,9 +58,10 @@ def encode_corpus(
     input or invalid UTF-8 (unless errors="replace"). On any error `output_path` is untouched.
     """
     largest_id = max(tokenizer.vocab)
-    if largest_id >= MAX_UINT16_VOCAB:
+    if largest_id >= UINT16_VOCAB_LIMIT:
         raise ValueError(
-            f"the tokenizer has ids up to {largest_id}; uint16 token files hold at most {MAX_UINT16_VOCAB} ids"
+            f"the tokenizer has ids up to {largest_id}; uint16 token files hold at most "
+            f"{UINT16_VOCAB_LIMIT} ids"
         )
     input_path = check_readable(input_path)
     output_path = Path(output_path)

@@ -69,8 +69,9 @@ class TokenizerFiles:
         saved_unicode = data.get("unicode_version")
         if saved_unicode is not None and saved_unicode != unicode_version():
             print(
-                f"warning: {path} was trained with the Unicode {saved_unicode} tables of `regex`; the installed "
-                f"regex {regex.__version__} has Unicode {unicode_version()}, so text with characters assigned "
+                f"warning: {path} was trained with the Unicode {saved_unicode} tables of `regex`; the "
+                f"installed regex {regex.__version__} has Unicode {unicode_version()}, so text with "
+                f"characters assigned "
                 f"in between may be split (and encoded) differently",
                 file=sys.stderr,
             )

@@ -259,8 +259,13 @@ class Tokenizer(TokenizerFiles):
                 "cache_size": self._cache_size, "engine": self.engine}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"], state.get("cache_size", 1 << 19),
-                      state.get("engine", "auto"))  # fmt: skip
+        self.__init__(
+            state["vocab"],
+            state["merges"],
+            state["special_tokens"],
+            state.get("cache_size", 1 << 19),
+            state.get("engine", "auto"),
+        )
 
     def __len__(self) -> int:
         return len(self.vocab)
