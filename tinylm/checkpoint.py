@@ -1,4 +1,4 @@
-"""Checkpoint files: the seed's format, and how a large one is written and read piece by piece.
+"""Checkpoint files: {model, optimizer, iteration}, and how a large one is written and read piece by piece.
 
 A checkpoint is one torch.save'd dictionary with at least
     model      the model's state_dict
