@@ -28,9 +28,9 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
    happened to keep (its adaptive threshold otherwise moves the peaks by about 1 % from run to run).
 3. Memory while checkpointing (variant C): the rise of each rank's peak resident set over its
    resident set just before `save_step`, and during `restore_step` into a fresh model and
-   optimizer in fresh processes; beside the same for the seed's way (every rank gathers the whole
-   optimizer state with all_gather_object, rank 0 torch.saves and hashes it; every rank hashes and
-   torch.loads the whole file).
+   optimizer in fresh processes; beside the same for the checkpoint tinylm first had, labelled "seed"
+   (every rank gathers the whole optimizer state with all_gather_object, rank 0 torch.saves and
+   hashes it; every rank hashes and torch.loads the whole file).
 4. The same global batch on world size 1 with two threads (plain model + AdamW) for comparison.
 5. Overlap: the fraction of backward's wall time that passes before the first all-reduce starts
    (tinylm DDP, 1 MB buckets), eager, with each Transformer block compiled (as the trainer does),
@@ -323,7 +323,7 @@ def _trained_c(args, ctx):
 
 
 def _seed_save(ctx, model, optimizer, path: Path) -> None:
-    """The seed's checkpoint (e5174b7): all_gather_object of every share, rank 0 saves and hashes."""
+    """The checkpoint tinylm first had (e5174b7): all_gather_object of every share, rank 0 saves, hashes."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index = {p: i for i, p in enumerate(params)}
     local = {

@@ -9,7 +9,7 @@ text from bench/make_corpus.py (stories). Measured, in one process:
 1. evaluating two checkpoints from scratch (with an empty cache folder);
 2. the rerun after one more checkpoint: only the new one is scored;
 3. a rerun with nothing new: every checkpoint is read from the cache;
-4. the peer: the same windows of one checkpoint scored by a plain PyTorch loop (F.cross_entropy).
+4. the plain-PyTorch baseline: the same windows of one checkpoint scored by a loop with F.cross_entropy.
 On the CPU with `evaluate.threads` torch threads and float32; on CUDA in bfloat16 (the checkpoints'
 `train.dtype`). Prints Markdown for bench/RESULTS.md.
 """
@@ -67,8 +67,8 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
 
 @torch.inference_mode()
 def plain_torch_loss(checkpoint: Path, valid: Path, max_tokens: int, batch_size: int, device: str) -> float:
-    """The peer: the same windows scored by a plain loop with F.cross_entropy (sum), one checkpoint,
-    loading included (as in the evaluation)."""
+    """The plain-PyTorch baseline: the same windows scored by a loop with F.cross_entropy (sum), one
+    checkpoint, loading included (as in the evaluation)."""
     payload = torch.load(checkpoint, map_location=device, weights_only=True)
     config = payload["model_config"]
     model = Transformer(**config, device=device)

@@ -1,6 +1,6 @@
 """Hugging Face export: transformers loads the folder with no code of ours and computes what we compute.
 
-The peer is transformers itself (AutoTokenizer, AutoModelForCausalLM, LlamaForCausalLM.generate and
+The reference is transformers itself (AutoTokenizer, AutoModelForCausalLM, LlamaForCausalLM.generate and
 its RoPE), loaded only from the exported folder, never from the hub.
 """
 

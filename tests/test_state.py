@@ -89,7 +89,8 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
 
     out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
-    # The newest is the seed's full format: a plain torch.load into a plain AdamW.
+    # The newest is in the full checkpoint format ({model, optimizer, iteration}): a plain torch.load
+    # into a plain AdamW.
     full = torch.load(out[-1], weights_only=True)
     assert_same(full, payload(40))
     model = Transformer(**full["model_config"])
@@ -340,7 +341,7 @@ def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_i
     state = saved_at_world_two / "state"
     model, reference = helpers.make_trained(range(3), sharded=False)
     out = published_lib.publish(state, saved_at_world_two / "checkpoints")
-    full = torch.load(out[-1], weights_only=True)  # the seed's format, plainly loaded
+    full = torch.load(out[-1], weights_only=True)  # the full checkpoint format, plainly loaded
     assert_same(full["model"], model.state_dict())
     assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly
     plain = helpers.make_toy(seed=0)

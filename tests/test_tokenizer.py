@@ -86,7 +86,7 @@ def make_text(
     return text.encode("ascii", errors="ignore").decode("ascii") if ascii_only else text
 
 
-# --- peers built from our own trained merges -----------------------------------------------------
+# --- tiktoken and Hugging Face tokenizers built from our own trained merges -----------------------
 
 
 def write_gpt2_files(tok: Tokenizer, folder) -> tuple:
@@ -131,7 +131,8 @@ def trained_merges(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["tiktoken", "python"])
 def trained(request, trained_merges, tmp_path_factory):
-    """A tokenizer with the trained merges on each engine, and the peers loaded with its merges.
+    """A tokenizer with the trained merges on each engine, and tiktoken and Hugging Face tokenizers
+    loaded with its merges.
 
     engine="tiktoken" raises unless the trained vocabulary passes the checks of tiktoken_engine.
     """
