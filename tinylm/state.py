@@ -88,12 +88,10 @@ def save_step(
 ) -> Path:
     """Collective: commit `step` of this run to `state_dir`; every rank calls it. Returns the folder.
 
-    ctx: the rank's RankContext (rank, world_size, store, timeout_s); model: the model (not a DDP
-    wrapper); optimizer: a ShardedOptimizer or a plain
-    optimizer (the same on every rank); manifest: the run's identity, written into the manifest;
-    entries: plain values for the top of the checkpoint (rank 0's are written); per_rank: plain
-    values of this rank (RNG states, a gradient scaler's state), saved as lists over the ranks
-    (`restore_step` returns them as such); keep: step folders kept.
+    ctx: the rank's RankContext; model: the model (not a DDP wrapper); optimizer: sharded or plain
+    (the same on every rank); manifest: the run's identity; entries: plain values for the top of
+    the checkpoint (rank 0's are written); per_rank: plain values of this rank (RNG states), saved
+    as lists over the ranks (`restore_step` returns them as such); keep: step folders kept.
     """
     rank, world_size = ctx.rank, ctx.world_size
     entries, per_rank = dict(entries or {}), dict(per_rank or {})
