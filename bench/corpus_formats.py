@@ -50,7 +50,9 @@ import glob, sys
 import pyarrow.parquet as pq
 n = 0
 for path in sorted(glob.glob(sys.argv[1])):
-    for batch in pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False).iter_batches(batch_size=1024, columns=["text"]):
+    for batch in pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False).iter_batches(
+        batch_size=1024, columns=["text"]
+    ):
         n += sum(map(len, batch.column(0).to_pylist()))
 print(n)
 """
@@ -158,17 +160,20 @@ def main() -> None:
             rows.append((f"tinylm corpus stage, {name}", run, stats["train_bytes"] / 1e6, input_mb[name]))
             train.unlink()
         out_mb = rows[0][2]
-        for name, code, pattern in [("floor: pyarrow iter_batches + to_pylist, Parquet", PARQUET_FLOOR, inputs["Parquet"]),
-                                    ("floor: zstandard + json.loads per line, .jsonl.zst", JSONL_ZST_FLOOR,
-                                     inputs[".jsonl.zst"])]:  # fmt: skip
+        for name, code, pattern in [
+            ("floor: pyarrow iter_batches + to_pylist, Parquet", PARQUET_FLOOR, inputs["Parquet"]),
+            ("floor: zstandard + json.loads per line, .jsonl.zst", JSONL_ZST_FLOOR, inputs[".jsonl.zst"]),
+        ]:
             rows.append((name, measure(code, pattern), out_mb, input_mb[name.rsplit(", ", 1)[1]]))
     load_after = os.getloadavg()
 
     print(
-        f"## Corpus formats: {args.profile}, {args.size} of text into train.txt ({time.strftime('%Y-%m-%d %H:%M')})\n"
+        f"## Corpus formats: {args.profile}, {args.size} of text into train.txt "
+        f"({time.strftime('%Y-%m-%d %H:%M')})\n"
     )
     print(
-        f"- documents: `python bench/make_corpus.py --profile {args.profile} --size {args.size} --seed {args.seed}`, "
+        f"- documents: `python bench/make_corpus.py --profile {args.profile} --size {args.size} "
+        f"--seed {args.seed}`, "
         f"written as {SHARDS} Parquet shards (row groups of {ROW_GROUP_DOCUMENTS:,} documents, snappy) and "
         f"{SHARDS} .jsonl.zst shards (level 3)"
     )
@@ -179,15 +184,16 @@ def main() -> None:
     print(f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     print(f"- train.txt identical for all three inputs: {len(set(digests.values())) == 1}")
     print(
-        "- each run once, in its own child process; MB/s of text out (train.txt); memory: peak RSS of the tree\n"
+        "- each run once, in its own child process; MB/s of text out (train.txt); "
+        "memory: peak RSS of the tree\n"
     )
     print(
         "| what | input MB | seconds | CPU seconds | MB/s | peak RSS (MB) |\n|---|---:|---:|---:|---:|---:|"
     )
     for name, run, mb, in_mb in rows:
         print(
-            f"| {name} | {in_mb:,.0f} | {run['seconds']:.1f} | {run['cpu']:.1f} | {mb / run['seconds']:.1f} | "
-            f"{run['rss_mb']:,.0f} |"
+            f"| {name} | {in_mb:,.0f} | {run['seconds']:.1f} | {run['cpu']:.1f} | "
+            f"{mb / run['seconds']:.1f} | {run['rss_mb']:,.0f} |"
         )
 
 

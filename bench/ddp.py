@@ -459,9 +459,11 @@ def report(
     a, b = two[VARIANTS[0]]["step_s"], two[VARIANTS[1]]["step_s"]
     c, d = two[VARIANTS[2]]["step_s"], two[VARIANTS[3]]["step_s"]
     lines = [
-        f"Small model {SMALL}, {two['num_parameters']:,} parameters in {two['num_parameter_tensors']} tensors; "
+        f"Small model {SMALL}, {two['num_parameters']:,} parameters in "
+        f"{two['num_parameter_tensors']} tensors; "
         f"global batch {2 * args.batch_per_rank} x {SMALL['context_length']} = {tokens} tokens per step; "
-        f"median of {args.steps} steps after {args.warmup} warm-up steps; bucket {BUCKET_MB} MB; gloo on CPU; "
+        f"median of {args.steps} steps after {args.warmup} warm-up steps; bucket {BUCKET_MB} MB; "
+        f"gloo on CPU; "
         f"torch {torch.__version__}; load average before/after: {load_before} / {load_after}.",
         "",
         "| setup | step (s) | tokens/s | finish_gradient_sync (s) | optimizer state per rank (MiB) | "
@@ -487,7 +489,8 @@ def report(
         f"- tinylm DDP + ShardedOptimizer / torch DDP + ZeroRedundancyOptimizer step time: **{c / d:.3f}x** "
         "(target <= 1.0x)",
         f"- tinylm DDP + ShardedOptimizer / tinylm DDP + AdamW step time: **{c / a:.3f}x** (target <= 1.05x)",
-        f"- peak RSS per rank in a step, tinylm DDP / torch DDP: **{peak[VARIANTS[0]] / peak[VARIANTS[1]]:.3f}x**; "
+        f"- peak RSS per rank in a step, tinylm DDP / torch DDP: "
+        f"**{peak[VARIANTS[0]] / peak[VARIANTS[1]]:.3f}x**; "
         f"with the sharded optimizers: **{peak[VARIANTS[2]] / peak[VARIANTS[3]]:.3f}x** (target <= 1.0x)",
         f"- collectives per optimizer step: ShardedOptimizer "
         f"**{two[VARIANTS[2]]['collectives_per_optimizer_step']}**, ZeroRedundancyOptimizer "
@@ -496,7 +499,8 @@ def report(
         f"- ShardedOptimizer state per rank "
         f"{two[VARIANTS[2]]['optimizer_state_bytes'] / MIB:.1f} MiB instead of "
         f"{two[VARIANTS[0]]['optimizer_state_bytes'] / MIB:.1f} MiB",
-        f"- unhidden all-reduce (finish_gradient_sync) in tinylm DDP: {two[VARIANTS[0]]['finish_s'] / a:.1%} of a step",
+        f"- unhidden all-reduce (finish_gradient_sync) in tinylm DDP: "
+        f"{two[VARIANTS[0]]['finish_s'] / a:.1%} of a step",
         f"- world 2 x 1 thread (tinylm DDP) / world 1 x 2 threads step time: {a / one['step_s']:.3f}x",
         f"- largest parameter difference between A and B after all steps: {two['max_param_diff_A_B']:.2e}",
         "",

@@ -148,7 +148,8 @@ def main() -> None:
     per_checkpoint = first / 2
     print(f"## Evaluation speed ({time.strftime('%Y-%m-%d %H:%M')})\n")
     print(
-        f"- model: the default config's, {sum(p.numel() for p in Transformer(**model_config).parameters()):,} "
+        f"- model: the default config's, "
+        f"{sum(p.numel() for p in Transformer(**model_config).parameters()):,} "
         f"parameters; {scored:,} validation tokens in windows of {cfg.model.context_length + 1}, "
         f"batch {cfg.evaluate.batch_size}"
     )
@@ -169,7 +170,8 @@ def main() -> None:
         f"(summed loss {plain_loss:.6g} vs {table.iloc[0]['val_loss'] * (scored - 1):.6g} nats)"
     )
     print(
-        f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** one checkpoint's evaluation; "
+        f"- the rerun after one more checkpoint cost **{more / per_checkpoint:.2f}x** "
+        f"one checkpoint's evaluation; "
         f"with nothing new {again:.2f} s (hashing the checkpoints and the tokens)"
     )
     print(f"- final row: {table.iloc[-1].to_dict()}", file=sys.stderr)

@@ -14,7 +14,8 @@ the same short prompt, each producing the same number of new tokens inside the c
 Greedy decoding (temperature 0 / do_sample=False) and sampling (temperature 0.8, top-p 0.95 /
 do_sample=True with the same values) are both measured. Repeats are interleaved (cached, recompute,
 hf, cached, ...) in one process so that load from elsewhere slows each alike, after a short
-warm-up of each; the median is reported. Greedy ids of the three must be equal (checked). Float32, CPU, 2 threads.
+warm-up of each; the median is reported. Greedy ids of the three must be equal (checked).
+Float32, CPU, 2 threads.
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ def main() -> None:
 
     print(
         f"{args.new_tokens} new tokens after a {args.prompt_len}-token prompt, median of {args.repeats} "
-        f"interleaved runs after a 10-token warm-up; float32, CPU, {args.threads} thread(s); torch {torch.__version__}, "
+        f"interleaved runs after a 10-token warm-up; float32, CPU, {args.threads} thread(s); "
+        f"torch {torch.__version__}, "
         f"transformers {transformers.__version__}, Python {platform.python_version()}; load average "
-        f"before/after: {' '.join(f'{x:.2f}' for x in load_before)} / {' '.join(f'{x:.2f}' for x in load_after)}."
+        f"before/after: {' '.join(f'{x:.2f}' for x in load_before)} / "
+        f"{' '.join(f'{x:.2f}' for x in load_after)}."
     )
     print()
     print("| config | decoding | path | seconds | new tokens/s | cached vs this |")
@@ -151,7 +154,8 @@ def main() -> None:
         for mode in SAMPLING:
             c, f, h = (by_key[(name, mode, p)]["tokens_per_s"] for p in ("cached", "recompute", "hf"))
             print(
-                f"- {name}, {mode}: cached / recompute **{c / f:.2f}x**, cached / transformers **{c / h:.2f}x**"
+                f"- {name}, {mode}: cached / recompute **{c / f:.2f}x**, "
+                f"cached / transformers **{c / h:.2f}x**"
             )
 
 

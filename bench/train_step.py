@@ -227,7 +227,8 @@ def main() -> None:
         "Memory: each model alone in a subprocess, peak RSS (ru_maxrss).\n"
     )
     print(
-        "| config | model | tokens/s median | tokens/s best | speed vs native | peak RSS MB | memory vs native |"
+        "| config | model | tokens/s median | tokens/s best | speed vs native | peak RSS MB | "
+        "memory vs native |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for config in args.configs:
@@ -243,7 +244,8 @@ def main() -> None:
             peak = memory[impl]["peak_rss_mb"]
             print(
                 f"| {config} | {impl} | {tokens / statistics.median(times[impl]):,.0f} | "
-                f"{tokens / min(times[impl]):,.0f} | {ratio:.2f}x | {peak:,.0f} | {peak / native_peak:.2f}x |",
+                f"{tokens / min(times[impl]):,.0f} | {ratio:.2f}x | {peak:,.0f} | "
+                f"{peak / native_peak:.2f}x |",
                 flush=True,
             )
         best = tokens / min(times["tinylm"])
