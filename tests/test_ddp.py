@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import _ddp_ranks
-import _parallel_helpers as helpers
 import pytest
 import torch
+from _parallel_common import global_batch, lm_loss, make_toy
 from torch import nn
 
 from tinylm.parallel import DDP, launch
@@ -24,7 +24,10 @@ def test_ddp_equals_single_process_on_global_batch(tmp_path, world_size):
     # 1e-9 MB: one parameter per bucket; 25 MB: everything in one bucket; 2e-3 MB: a few buckets.
     buckets = [1e-9, 25.0, 2e-3] if world_size == 2 else [1e-9, 25.0]
     launch(
-        helpers.ddp_matches_single_process, args=(str(tmp_path), buckets), world_size=world_size, timeout_s=60
+        _ddp_ranks.ddp_matches_single_process,
+        args=(str(tmp_path), buckets),
+        world_size=world_size,
+        timeout_s=60,
     )
     for result in read_results(tmp_path, world_size):
         assert result["buckets"] == buckets
@@ -32,13 +35,13 @@ def test_ddp_equals_single_process_on_global_batch(tmp_path, world_size):
 
 
 def test_ddp_equals_torch_ddp(tmp_path):
-    launch(helpers.ddp_matches_torch_ddp, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    launch(_ddp_ranks.ddp_matches_torch_ddp, args=(str(tmp_path),), world_size=2, timeout_s=60)
     for result in read_results(tmp_path, 2):
         assert result["worst"] <= 1e-6
 
 
 def test_all_reduces_start_during_backward(tmp_path):
-    launch(helpers.ddp_overlaps_backward, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    launch(_ddp_ranks.ddp_overlaps_backward, args=(str(tmp_path),), world_size=2, timeout_s=60)
     for result in read_results(tmp_path, 2):
         events = result["events"]
         assert events.count("all_reduce") == result["buckets"]  # one per parameter
@@ -49,7 +52,7 @@ def test_all_reduces_start_during_backward(tmp_path):
 
 
 def test_no_sync_skips_communication_and_accumulates(tmp_path):
-    launch(helpers.ddp_no_sync_accumulates, args=(str(tmp_path),), world_size=2, timeout_s=60)
+    launch(_ddp_ranks.ddp_no_sync_accumulates, args=(str(tmp_path),), world_size=2, timeout_s=60)
     for result in read_results(tmp_path, 2):
         assert result["all_reduces"] > 0  # the synced micro-steps did communicate
 
@@ -57,17 +60,17 @@ def test_no_sync_skips_communication_and_accumulates(tmp_path):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
 def test_ddp_of_a_compiled_model_with_a_sharded_optimizer_trains_like_the_plain_one(tmp_path):
-    launch(helpers.ddp_of_compiled_model, args=(str(tmp_path),), world_size=2, timeout_s=120)
+    launch(_ddp_ranks.ddp_of_compiled_model, args=(str(tmp_path),), world_size=2, timeout_s=120)
     assert all(r["checked"] for r in read_results(tmp_path, 2))
 
 
 def test_module_is_the_unwrapped_model_and_world_of_one_is_a_no_op():
-    model = helpers.make_toy(seed=0)
+    model = make_toy(seed=0)
     ddp = DDP(model)
     assert ddp.module is model
     assert ddp.module.state_dict().keys() == model.state_dict().keys()
-    x, y = helpers.global_batch(0, 2)
-    helpers.lm_loss(ddp, x, y).backward()
+    x, y = global_batch(0, 2)
+    lm_loss(ddp, x, y).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     ddp.finish_gradient_sync()
     for name, p in model.named_parameters():
