@@ -11,7 +11,7 @@ import torch
 from _parallel_common import global_batch, lm_loss, make_toy
 from torch import nn
 
-from tinylm.parallel import DDP, launch
+from tinylm.parallel import DDP, RankFailedError, launch
 from tinylm.parallel.ddp import _split_into_buckets
 
 
@@ -19,30 +19,69 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
+# The rank functions that need no launch of their own run in one launch per world size (see
+# _ddp_ranks.run_each); each test reads its function's results, or fails with the launch's error.
+BUCKETS = {2: [1e-9, 25.0, 2e-3], 3: [1e-9, 25.0]}  # one parameter per bucket, one bucket, a few
+JOBS = {
+    2: [
+        ("ddp_matches_single_process", (BUCKETS[2],)),
+        ("ddp_matches_torch_ddp", ()),
+        ("ddp_overlaps_backward", ()),
+        ("ddp_no_sync_accumulates", ()),
+        ("zero1_matches_single_process", ()),
+        ("traffic_of_one_step", ()),
+    ],
+    3: [("ddp_matches_single_process", (BUCKETS[3],)), ("zero1_matches_single_process", ())],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """world size -> (folder, the launch's error or None), launched once per world size when asked."""
+    done = {}
+
+    def at(world_size: int) -> tuple[Path, RankFailedError | None]:
+        if world_size not in done:
+            folder = tmp_path_factory.mktemp(f"world{world_size}")
+            try:
+                launch(
+                    _ddp_ranks.run_each,
+                    args=(str(folder), JOBS[world_size]),
+                    world_size=world_size,
+                    timeout_s=60,
+                )
+                done[world_size] = folder, None
+            except RankFailedError as error:
+                done[world_size] = folder, error
+        return done[world_size]
+
+    return at
+
+
+def results_of(launched, name: str, world_size: int = 2) -> list[dict]:
+    folder, error = launched(world_size)
+    if not all((folder / name / f"rank{r}.json").exists() for r in range(world_size)):
+        ran = [job for job, _ in JOBS[world_size]]
+        pytest.fail(
+            f"{name} did not finish at world size {world_size} (the launch runs {ran} in turn): {error}"
+        )
+    return read_results(folder / name, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_equals_single_process_on_global_batch(tmp_path, world_size):
-    # 1e-9 MB: one parameter per bucket; 25 MB: everything in one bucket; 2e-3 MB: a few buckets.
-    buckets = [1e-9, 25.0, 2e-3] if world_size == 2 else [1e-9, 25.0]
-    launch(
-        _ddp_ranks.ddp_matches_single_process,
-        args=(str(tmp_path), buckets),
-        world_size=world_size,
-        timeout_s=60,
-    )
-    for result in read_results(tmp_path, world_size):
-        assert result["buckets"] == buckets
+def test_ddp_equals_single_process_on_global_batch(launched, world_size):
+    for result in results_of(launched, "ddp_matches_single_process", world_size):
+        assert result["buckets"] == BUCKETS[world_size]
         assert result["worst"] <= 1e-6
 
 
-def test_ddp_equals_torch_ddp(tmp_path):
-    launch(_ddp_ranks.ddp_matches_torch_ddp, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_ddp_equals_torch_ddp(launched):
+    for result in results_of(launched, "ddp_matches_torch_ddp"):
         assert result["worst"] <= 1e-6
 
 
-def test_all_reduces_start_during_backward(tmp_path):
-    launch(_ddp_ranks.ddp_overlaps_backward, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_all_reduces_start_during_backward(launched):
+    for result in results_of(launched, "ddp_overlaps_backward"):
         events = result["events"]
         assert events.count("all_reduce") == result["buckets"]  # one per parameter
         assert events.index("all_reduce") < events.index("backward returned")
@@ -51,9 +90,8 @@ def test_all_reduces_start_during_backward(tmp_path):
         assert result["early_all_reduces"] >= result["buckets"] - 2
 
 
-def test_no_sync_skips_communication_and_accumulates(tmp_path):
-    launch(_ddp_ranks.ddp_no_sync_accumulates, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_no_sync_skips_communication_and_accumulates(launched):
+    for result in results_of(launched, "ddp_no_sync_accumulates"):
         assert result["all_reduces"] > 0  # the synced micro-steps did communicate
 
 
@@ -89,18 +127,14 @@ def test_buckets_follow_reverse_order_and_size_limit():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(tmp_path, world_size):
-    launch(
-        _ddp_ranks.zero1_matches_single_process, args=(str(tmp_path),), world_size=world_size, timeout_s=60
-    )
-    for result in read_results(tmp_path, world_size):
+def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(launched, world_size):
+    for result in results_of(launched, "zero1_matches_single_process", world_size):
         assert result["worst"] <= 1e-6
         assert result["grads_kept"] > 0
 
 
-def test_sharded_step_sends_no_more_than_ddp_alone(tmp_path):
-    launch(_ddp_ranks.traffic_of_one_step, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_sharded_step_sends_no_more_than_ddp_alone(launched):
+    for result in results_of(launched, "traffic_of_one_step"):
         ddp, sharded = result["ddp"], result["ddp+sharded"]
         assert set(ddp["sent"]) == {"all_reduce"}
         assert ddp["sent"]["all_reduce"] >= result["gradient_bytes"]  # world 2: each rank sends it all once
