@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,16 +28,6 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, gradient_clip
 from tinylm.optim import AdamW
 from tinylm.parallel import DDP, ShardedOptimizer
-
-
-def run_each(ctx, out_dir: str, jobs: list[tuple[str, tuple]]) -> None:
-    """Run several rank functions of this module in one launch, each with out_dir/<its name> and its
-    arguments, a barrier after each. (Every launch starts processes that import torch, seconds each.)"""
-    for name, args in jobs:
-        folder = Path(out_dir, name)
-        folder.mkdir(exist_ok=True)
-        globals()[name](ctx, str(folder), *args)
-        dist.barrier()
 
 
 def assert_grads_close(actual: nn.Module, expected: nn.Module, what: str) -> None:

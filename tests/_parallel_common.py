@@ -11,9 +11,11 @@ reads, so a test also fails if the checks never ran.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -86,3 +88,33 @@ def param_groups(model: nn.Module) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def run_each(ctx, out_dir: str, jobs: list[tuple[str, Callable, tuple]]) -> None:
+    """Run several rank functions in one launch: each (name, fn, args) as fn(ctx, out_dir/name, *args),
+    a barrier after each. (Every launch starts processes that import torch, seconds each.)"""
+    for name, fn, args in jobs:
+        folder = Path(out_dir, name)
+        folder.mkdir(exist_ok=True)
+        fn(ctx, str(folder), *args)
+        dist.barrier()
+
+
+def launch_each(folder: Path, jobs: list[tuple[str, Callable, tuple]], world_size: int) -> Exception | None:
+    """`run_each` in one launch of `world_size` ranks; the launch's error, or None."""
+    from tinylm.parallel import RankFailedError, launch
+
+    try:
+        launch(run_each, args=(str(folder), jobs), world_size=world_size, timeout_s=60)
+    except RankFailedError as error:
+        return error
+    return None
+
+
+def job_results(folder: Path, name: str, world_size: int, error: Exception | None) -> list[dict]:
+    """Every rank's results of the job `name` of a `launch_each`; a test failure with the launch's
+    error where some rank did not finish it (it failed, or a job before it did)."""
+    paths = [folder / name / f"rank{r}.json" for r in range(world_size)]
+    if not all(path.exists() for path in paths):
+        raise AssertionError(f"{name} did not finish at world size {world_size}: {error}")
+    return [json.loads(path.read_text()) for path in paths]

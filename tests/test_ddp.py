@@ -8,10 +8,10 @@ from pathlib import Path
 import _ddp_ranks
 import pytest
 import torch
-from _parallel_common import global_batch, lm_loss, make_toy
+from _parallel_common import global_batch, job_results, launch_each, lm_loss, make_toy
 from torch import nn
 
-from tinylm.parallel import DDP, RankFailedError, launch
+from tinylm.parallel import DDP, launch
 from tinylm.parallel.ddp import _split_into_buckets
 
 
@@ -20,18 +20,21 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
 
 
 # The rank functions that need no launch of their own run in one launch per world size (see
-# _ddp_ranks.run_each); each test reads its function's results, or fails with the launch's error.
+# _parallel_common.run_each); each test reads its function's results, or fails with the launch's error.
 BUCKETS = {2: [1e-9, 25.0, 2e-3], 3: [1e-9, 25.0]}  # one parameter per bucket, one bucket, a few
 JOBS = {
     2: [
-        ("ddp_matches_single_process", (BUCKETS[2],)),
-        ("ddp_matches_torch_ddp", ()),
-        ("ddp_overlaps_backward", ()),
-        ("ddp_no_sync_accumulates", ()),
-        ("zero1_matches_single_process", ()),
-        ("traffic_of_one_step", ()),
+        ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[2],)),
+        ("ddp_matches_torch_ddp", _ddp_ranks.ddp_matches_torch_ddp, ()),
+        ("ddp_overlaps_backward", _ddp_ranks.ddp_overlaps_backward, ()),
+        ("ddp_no_sync_accumulates", _ddp_ranks.ddp_no_sync_accumulates, ()),
+        ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
+        ("traffic_of_one_step", _ddp_ranks.traffic_of_one_step, ()),
     ],
-    3: [("ddp_matches_single_process", (BUCKETS[3],)), ("zero1_matches_single_process", ())],
+    3: [
+        ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[3],)),
+        ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
+    ],
 }
 
 
@@ -40,19 +43,10 @@ def launched(tmp_path_factory):
     """world size -> (folder, the launch's error or None), launched once per world size when asked."""
     done = {}
 
-    def at(world_size: int) -> tuple[Path, RankFailedError | None]:
+    def at(world_size: int) -> tuple[Path, Exception | None]:
         if world_size not in done:
             folder = tmp_path_factory.mktemp(f"world{world_size}")
-            try:
-                launch(
-                    _ddp_ranks.run_each,
-                    args=(str(folder), JOBS[world_size]),
-                    world_size=world_size,
-                    timeout_s=60,
-                )
-                done[world_size] = folder, None
-            except RankFailedError as error:
-                done[world_size] = folder, error
+            done[world_size] = folder, launch_each(folder, JOBS[world_size], world_size)
         return done[world_size]
 
     return at
@@ -60,12 +54,7 @@ def launched(tmp_path_factory):
 
 def results_of(launched, name: str, world_size: int = 2) -> list[dict]:
     folder, error = launched(world_size)
-    if not all((folder / name / f"rank{r}.json").exists() for r in range(world_size)):
-        ran = [job for job, _ in JOBS[world_size]]
-        pytest.fail(
-            f"{name} did not finish at world size {world_size} (the launch runs {ran} in turn): {error}"
-        )
-    return read_results(folder / name, world_size)
+    return job_results(folder, name, world_size, error)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -9,7 +9,7 @@ from pathlib import Path
 import _sharded_ranks
 import pytest
 import torch
-from _parallel_common import assert_params_close, global_batch, lm_loss, make_toy
+from _parallel_common import assert_params_close, global_batch, job_results, launch_each, lm_loss, make_toy
 
 from tinylm.parallel import ShardedOptimizer, launch
 
@@ -18,16 +18,22 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-# torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner).
-@pytest.mark.parametrize(("optimizer_name", "bucket_mb"), [("torch", 25.0), ("tinylm", 2e-4)])
-def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name, bucket_mb):
-    launch(
-        _sharded_ranks.sharded_matches_adamw,
-        args=(str(tmp_path), optimizer_name, bucket_mb),
-        world_size=2,
-        timeout_s=60,
-    )
-    results = read_results(tmp_path, 2)
+# torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner),
+# both in one launch (see _parallel_common.run_each).
+CASES = [("torch", 25.0), ("tinylm", 2e-4)]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    jobs = [(f"{name}-{mb}", _sharded_ranks.sharded_matches_adamw, (name, mb)) for name, mb in CASES]
+    return folder, launch_each(folder, jobs, world_size=2)
+
+
+@pytest.mark.parametrize(("optimizer_name", "bucket_mb"), CASES)
+def test_sharded_equals_adamw_and_consolidates(sharded_runs, optimizer_name, bucket_mb):
+    folder, error = sharded_runs
+    results = job_results(folder, f"{optimizer_name}-{bucket_mb}", 2, error)
     total = results[0]["total_elements"]
     assert sum(r["owned_elements"] for r in results) == total
     for r in results:
