@@ -538,11 +538,11 @@ def readme_extra(spec: str) -> str | None:
 
 @pytest.mark.slow
 def test_every_readme_command_runs(extended_run, tmp_path):
-    """In a copy of a finished tiny run with the workflow beside it, as a user would type them: stages by hand,
-    the reports, the export and what loads it, and tensorboard (--inspect, which prints and exits) for real;
-    every other snakemake command as a dry run; `python -m pytest` collects only; `pip install` is checked
-    against pyproject.toml (its extras exist and the pinned torch is in the accepted range). A sweep's
-    report is built after a one-run sweep written to the sweep file it names. The copy is of the
+    """In a copy of a finished tiny run with the workflow beside it, as a user would type them: stages by
+    hand, the reports, the export and what loads it, and tensorboard (--inspect, which prints and exits) for
+    real; every other snakemake command as a dry run; `python -m pytest` collects only; `pip install` is
+    checked against pyproject.toml (its extras exist and the pinned torch is in the accepted range). A
+    sweep's report is built after a one-run sweep written to the sweep file it names. The copy is of the
     extended run, where the export and SWEEP's runs are built already: the export command finds its
     folder done, and the one-run sweep is one of SWEEP's, so only its comparison is made again."""
     import tomllib
@@ -584,7 +584,8 @@ def test_every_readme_command_runs(extended_run, tmp_path):
             run = command.replace("tensorboard ", "tensorboard --inspect ", 1)
         elif "--report" in words and "--configfile" in words:
             # A sweep's report needs the sweep run first: a one-run sweep in the same file (the README's
-            # three runs, one with a tokenizer of its own, would take minutes), a run of SWEEP, trained already.
+            # three runs, one with a tokenizer of its own, would take minutes), a run of SWEEP, trained
+            # already by extended_run.
             sweep = workdir / words[words.index("--configfile") + 1]
             shown = sweep.read_text()
             sweep.write_text(yaml.safe_dump({"runs": {"lr3e-2": SWEEP["runs"]["lr3e-2"]}}))
