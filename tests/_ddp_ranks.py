@@ -1,7 +1,9 @@
-"""Rank functions of tests/test_ddp.py for ZeRO-1 traffic, gradient storage and overlap under compile.
+"""Rank functions of tests/test_ddp.py: DDP against single-process training and torch's DDP,
+no_sync, overlap with backward, compiled models, ZeRO-1 traffic and gradient storage.
 
-They live in a module because mp.spawn pickles a function by its module path. Each asserts inside
-the rank and then writes a small result file that the test reads.
+They live in a module because mp.spawn pickles a function by its module path (see
+tests/_parallel_common.py). Each asserts inside the rank and then writes a small result file that
+the test reads.
 """
 
 from __future__ import annotations
@@ -11,20 +13,220 @@ import time
 
 import torch
 import torch.distributed as dist
-from _parallel_helpers import (
-    _param_groups,
+from _parallel_common import (
     assert_params_close,
     global_batch,
     lm_loss,
     make_toy,
+    param_groups,
     rank_slice,
     write_result,
 )
+from torch import nn
 
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, gradient_clip
 from tinylm.optim import AdamW
 from tinylm.parallel import DDP, ShardedOptimizer
+
+
+def assert_grads_close(actual: nn.Module, expected: nn.Module, what: str) -> None:
+    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters(), strict=True):
+        if e.grad is None:
+            assert a.grad is None, f"{what}: {name} should have no gradient"
+            continue
+        assert a.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-9, atol=1e-12, msg=f"{what}: grad of {name}")
+
+
+def assert_grads_in_buckets(ddp: DDP, what: str) -> None:
+    """Every gradient is a view into a bucket of `ddp`, and the buckets hold each gradient once."""
+    buffers = {bucket.buffer.untyped_storage().data_ptr() for bucket in ddp._buckets}
+    trainable = [p for p in ddp.module.parameters() if p.requires_grad]
+    for p in trainable:
+        if p.grad is not None:
+            assert p.grad.untyped_storage().data_ptr() in buffers, f"{what}: a gradient outside the buckets"
+    held = sum(grads.numel() for bucket in ddp._buckets for _, _, grads in bucket.runs)
+    assert held == sum(p.numel() for p in trainable), f"{what}: buckets hold {held} gradient elements"
+
+
+def ddp_matches_single_process(ctx, out_dir: str, bucket_sizes_mb: list[float]) -> None:
+    """For each bucket size: DDP + AdamW for 5 steps equals single-process AdamW on the global batch.
+
+    Rank r starts from its own random init; DDP must replace it with rank 0's. The reference starts
+    from rank 0's init and trains on the whole global batch; gradients are compared each step,
+    parameters after every step. A second pass lets only rank 1 use the `extra` layer (a parameter
+    with no gradient on some ranks); its reference averages the per-rank losses.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    batch = 2 * world
+    worst = 0.0
+    for bucket_mb in bucket_sizes_mb:
+        for branch in (False, True):
+            ddp = DDP(make_toy(seed=1000 + rank), bucket_size_mb=bucket_mb)
+            reference = make_toy(seed=1000)
+            assert_params_close(ddp.module, reference, 0.0, "after wrapping")
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+            for step in range(5):
+                x, y = global_batch(step, batch)
+                use_extra = branch and rank == 1
+                lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world), use_extra).backward()
+                ddp.finish_gradient_sync()
+                if branch:
+                    losses = [
+                        lm_loss(reference, rank_slice(x, r, world), rank_slice(y, r, world), r == 1)
+                        for r in range(world)
+                    ]
+                    (sum(losses) / world).backward()
+                else:
+                    lm_loss(reference, x, y).backward()
+                what = f"bucket {bucket_mb} MB, branch={branch}, step {step}"
+                assert_grads_close(ddp.module, reference, what)
+                assert_grads_in_buckets(ddp, what)
+                opt.step()
+                ref_opt.step()
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                worst = max(worst, assert_params_close(ddp.module, reference, 1e-6, what))
+            assert ddp.module.unused.grad is None
+    write_result(out_dir, rank, {"worst": worst, "buckets": bucket_sizes_mb})
+
+
+def ddp_matches_torch_ddp(ctx, out_dir: str) -> None:
+    """Our DDP and torch's DistributedDataParallel, same init and data, agree for 5 AdamW steps."""
+    world, rank = ctx.world_size, ctx.rank
+    ours = DDP(make_toy(seed=7 + rank))
+    theirs = nn.parallel.DistributedDataParallel(make_toy(seed=7 + rank), find_unused_parameters=True)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    worst = 0.0
+    for step in range(5):
+        x, y = global_batch(step, 2 * world)
+        x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
+        lm_loss(ours, x, y).backward()
+        ours.finish_gradient_sync()
+        lm_loss(theirs, x, y).backward()
+        opt.step()
+        their_opt.step()
+        opt.zero_grad()
+        their_opt.zero_grad()
+        worst = max(worst, assert_params_close(ours.module, theirs.module, 1e-6, f"step {step}"))
+    write_result(out_dir, rank, {"worst": worst})
+
+
+def ddp_overlaps_backward(ctx, out_dir: str) -> None:
+    """Record the order of gradient hooks and all-reduce launches during one backward.
+
+    A deep stack with one parameter per bucket: the all-reduces of the last layers must start
+    while earlier layers' gradients are still being computed.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    events: list[str] = []
+    original_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        events.append("all_reduce")
+        return original_all_reduce(tensor, *args, **kwargs)
+
+    # Registered before DDP's hooks, so "grad" is recorded before DDP reacts to that gradient.
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
+    ddp = DDP(model, bucket_size_mb=1e-9)
+    dist.all_reduce = recording_all_reduce
+    try:
+        ddp(torch.randn(4, 16)).square().sum().backward()
+        events.append("backward returned")
+        ddp.finish_gradient_sync()
+    finally:
+        dist.all_reduce = original_all_reduce
+    last_grad = max(i for i, e in enumerate(events) if e == "grad")
+    early = events[:last_grad].count("all_reduce")
+    write_result(
+        out_dir,
+        ctx.rank,
+        {"events": events, "early_all_reduces": early, "buckets": len(list(model.parameters()))},
+    )
+
+
+def ddp_no_sync_accumulates(ctx, out_dir: str) -> None:
+    """Two no_sync micro-steps and one synced micro-step equal one step on the whole global batch.
+
+    Twice, with optimizer.zero_grad(set_to_none=True) before each step as a training loop does;
+    the accumulation happens in the buckets, and no_sync starts no communication.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    micro = 3
+    ddp = DDP(make_toy(seed=3 + rank), bucket_size_mb=1e-4)
+    reference = make_toy(seed=3)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    calls = []
+    original_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(1)
+        return original_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            x, y = global_batch(step, 2 * world * micro)
+            chunks = list(zip(x.chunk(micro), y.chunk(micro), strict=True))
+            before = len(calls)
+            for i, (xc, yc) in enumerate(chunks):
+                loss = lm_loss(ddp, rank_slice(xc, rank, world), rank_slice(yc, rank, world)) / micro
+                if i < micro - 1:
+                    with ddp.no_sync():
+                        loss.backward()
+                        ddp.finish_gradient_sync()  # a no-op inside no_sync
+                    assert len(calls) == before, "no_sync must not communicate"
+                    assert_grads_in_buckets(ddp, f"step {step}, micro-step {i}")
+                else:
+                    loss.backward()
+                    ddp.finish_gradient_sync()
+            lm_loss(reference, x, y).backward()
+            assert_grads_close(ddp.module, reference, f"accumulated, step {step}")
+            assert_grads_in_buckets(ddp, f"step {step}")
+            opt.step()
+            ref_opt.step()
+    finally:
+        dist.all_reduce = original_all_reduce
+    write_result(out_dir, rank, {"all_reduces": len(calls)})
+
+
+def ddp_of_compiled_model(ctx, out_dir: str) -> None:
+    """DDP around torch.compile(model), with a ShardedOptimizer, trains as DDP around the model.
+
+    The gradients land in the buckets, and the parameters (views into the optimizer's flat
+    buffers, laid out before the first forward) stay what compiled code reads and the optimizer
+    writes.
+    """
+    world, rank = ctx.world_size, ctx.rank
+    model = make_toy(seed=9 + rank)
+    plain = DDP(make_toy(seed=9 + rank), bucket_size_mb=1e-4)
+    compiled = DDP(torch.compile(model), bucket_size_mb=1e-4)
+    optimizers = [ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2) for ddp in (plain, compiled)]
+    for step in range(3):
+        for ddp, optimizer in zip((plain, compiled), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = global_batch(step, 2 * world)
+            lm_loss(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+            ddp.finish_gradient_sync()
+        assert_grads_close(model, plain.module, f"step {step}")
+        assert_grads_in_buckets(compiled, f"compiled, step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+        assert_params_close(model, plain.module, 1e-9, f"after step {step}")
+    write_result(out_dir, rank, {"checked": True})
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1: reduce to the owner, traffic, overlap
+
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 
@@ -84,8 +286,8 @@ def zero1_matches_single_process(ctx, out_dir: str) -> None:
     """
     world, rank = ctx.world_size, ctx.rank
     model, reference = make_toy(seed=40 + rank), make_toy(seed=40)
-    optimizer = ShardedOptimizer(_param_groups(model), AdamW, bucket_size_mb=1e-4, lr=1e-2)
-    ref_optimizer = AdamW(_param_groups(reference), lr=1e-2)
+    optimizer = ShardedOptimizer(param_groups(model), AdamW, bucket_size_mb=1e-4, lr=1e-2)
+    ref_optimizer = AdamW(param_groups(reference), lr=1e-2)
     ddp = DDP(model, bucket_size_mb=3e-4, reduce_to=optimizer.owner)
     assert_params_close(model, reference, 0.0, "after wrapping")
     owned = set(optimizer.owned_parameters())

@@ -7,6 +7,8 @@ table in config/README.md ("When the input is bad") lists these cases with their
 import errno
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from _tiny_config import write_tiny_config
 from tinylm import published as published_lib
 from tinylm import state as state_lib
 from tinylm.config import load_config, weight_config
+from tinylm.data import load_tokens
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.training import model_config_of, structural_hash
@@ -143,14 +146,27 @@ class _CreatesAFileWhenUnpickled:
 
 
 def test_pickled_token_file_is_refused_and_never_unpickled(tiny_data, tmp_path):
+    """A pickle whose loading runs code, named like a token file: refused, and the code never runs.
+
+    A plain pickle, not a .npy holding an object array: np.load memory-maps a .npy and refuses an
+    object array before it unpickles anything, so only a file without the .npy header reaches the
+    unpickler, and it does whenever the loader allows pickles, memory map or not.
+    """
     bad, marker = tmp_path / "train.npy", tmp_path / "unpickled"
-    np.save(bad, np.array([_CreatesAFileWhenUnpickled(marker)], dtype=object), allow_pickle=True)
-    np.load(bad, allow_pickle=True)  # the payload works: loading with pickles allowed runs it
+    bad.write_bytes(pickle.dumps(_CreatesAFileWhenUnpickled(marker)))
+    np.load(bad, mmap_mode="r", allow_pickle=True).close()  # the payload works with pickles allowed
     assert marker.exists()
     marker.unlink()
     config = write_tiny_config(tmp_path / "c.yaml")
-    assert_refused(tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad)), str(bad))
+    proc = tinylm(*pretrain_args(config, tiny_data, tmp_path, train=bad))
     assert not marker.exists(), "the token file was unpickled"
+    assert_refused(proc, str(bad))
+
+    as_array = tmp_path / "objects.npy"  # an object array in a .npy is refused too
+    np.save(as_array, np.array([_CreatesAFileWhenUnpickled(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match=re.escape(str(as_array))):
+        load_tokens(as_array)
+    assert not marker.exists(), "the object array was unpickled"
 
 
 def test_token_file_of_another_vocabulary_is_refused(tiny_data, tmp_path):

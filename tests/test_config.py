@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tinylm.config import docs as config_docs
 from tinylm.config import Config, ConfigError, TrainConfig, from_dict, load_config, run_hash
+from tinylm.config import docs as config_docs
 from tinylm.config import key as config_key
 
 ROOT = Path(__file__).resolve().parents[1]

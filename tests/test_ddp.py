@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import _ddp_ranks
-import _parallel_helpers as helpers
 import pytest
 import torch
+from _parallel_common import global_batch, job_results, launch_each, lm_loss, make_toy
 from torch import nn
 
 from tinylm.parallel import DDP, launch
@@ -19,27 +19,58 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
+# The rank functions that need no launch of their own run in one launch per world size (see
+# _parallel_common.run_each); each test reads its function's results, or fails with the launch's error.
+BUCKETS = {2: [1e-9, 25.0, 2e-3], 3: [1e-9, 25.0]}  # one parameter per bucket, one bucket, a few
+JOBS = {
+    2: [
+        ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[2],)),
+        ("ddp_matches_torch_ddp", _ddp_ranks.ddp_matches_torch_ddp, ()),
+        ("ddp_overlaps_backward", _ddp_ranks.ddp_overlaps_backward, ()),
+        ("ddp_no_sync_accumulates", _ddp_ranks.ddp_no_sync_accumulates, ()),
+        ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
+        ("traffic_of_one_step", _ddp_ranks.traffic_of_one_step, ()),
+    ],
+    3: [
+        ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[3],)),
+        ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """world size -> (folder, the launch's error or None), launched once per world size when asked."""
+    done = {}
+
+    def at(world_size: int) -> tuple[Path, Exception | None]:
+        if world_size not in done:
+            folder = tmp_path_factory.mktemp(f"world{world_size}")
+            done[world_size] = folder, launch_each(folder, JOBS[world_size], world_size)
+        return done[world_size]
+
+    return at
+
+
+def results_of(launched, name: str, world_size: int = 2) -> list[dict]:
+    folder, error = launched(world_size)
+    return job_results(folder, name, world_size, error)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_equals_single_process_on_global_batch(tmp_path, world_size):
-    # 1e-9 MB: one parameter per bucket; 25 MB: everything in one bucket; 2e-3 MB: a few buckets.
-    buckets = [1e-9, 25.0, 2e-3] if world_size == 2 else [1e-9, 25.0]
-    launch(
-        helpers.ddp_matches_single_process, args=(str(tmp_path), buckets), world_size=world_size, timeout_s=60
-    )
-    for result in read_results(tmp_path, world_size):
-        assert result["buckets"] == buckets
+def test_ddp_equals_single_process_on_global_batch(launched, world_size):
+    for result in results_of(launched, "ddp_matches_single_process", world_size):
+        assert result["buckets"] == BUCKETS[world_size]
         assert result["worst"] <= 1e-6
 
 
-def test_ddp_equals_torch_ddp(tmp_path):
-    launch(helpers.ddp_matches_torch_ddp, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_ddp_equals_torch_ddp(launched):
+    for result in results_of(launched, "ddp_matches_torch_ddp"):
         assert result["worst"] <= 1e-6
 
 
-def test_all_reduces_start_during_backward(tmp_path):
-    launch(helpers.ddp_overlaps_backward, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_all_reduces_start_during_backward(launched):
+    for result in results_of(launched, "ddp_overlaps_backward"):
         events = result["events"]
         assert events.count("all_reduce") == result["buckets"]  # one per parameter
         assert events.index("all_reduce") < events.index("backward returned")
@@ -48,26 +79,25 @@ def test_all_reduces_start_during_backward(tmp_path):
         assert result["early_all_reduces"] >= result["buckets"] - 2
 
 
-def test_no_sync_skips_communication_and_accumulates(tmp_path):
-    launch(helpers.ddp_no_sync_accumulates, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_no_sync_skips_communication_and_accumulates(launched):
+    for result in results_of(launched, "ddp_no_sync_accumulates"):
         assert result["all_reduces"] > 0  # the synced micro-steps did communicate
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
 def test_ddp_of_a_compiled_model_with_a_sharded_optimizer_trains_like_the_plain_one(tmp_path):
-    launch(helpers.ddp_of_compiled_model, args=(str(tmp_path),), world_size=2, timeout_s=120)
+    launch(_ddp_ranks.ddp_of_compiled_model, args=(str(tmp_path),), world_size=2, timeout_s=120)
     assert all(r["checked"] for r in read_results(tmp_path, 2))
 
 
 def test_module_is_the_unwrapped_model_and_world_of_one_is_a_no_op():
-    model = helpers.make_toy(seed=0)
+    model = make_toy(seed=0)
     ddp = DDP(model)
     assert ddp.module is model
     assert ddp.module.state_dict().keys() == model.state_dict().keys()
-    x, y = helpers.global_batch(0, 2)
-    helpers.lm_loss(ddp, x, y).backward()
+    x, y = global_batch(0, 2)
+    lm_loss(ddp, x, y).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     ddp.finish_gradient_sync()
     for name, p in model.named_parameters():
@@ -86,18 +116,14 @@ def test_buckets_follow_reverse_order_and_size_limit():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(tmp_path, world_size):
-    launch(
-        _ddp_ranks.zero1_matches_single_process, args=(str(tmp_path),), world_size=world_size, timeout_s=60
-    )
-    for result in read_results(tmp_path, world_size):
+def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(launched, world_size):
+    for result in results_of(launched, "zero1_matches_single_process", world_size):
         assert result["worst"] <= 1e-6
         assert result["grads_kept"] > 0
 
 
-def test_sharded_step_sends_no_more_than_ddp_alone(tmp_path):
-    launch(_ddp_ranks.traffic_of_one_step, args=(str(tmp_path),), world_size=2, timeout_s=60)
-    for result in read_results(tmp_path, 2):
+def test_sharded_step_sends_no_more_than_ddp_alone(launched):
+    for result in results_of(launched, "traffic_of_one_step"):
         ddp, sharded = result["ddp"], result["ddp+sharded"]
         assert set(ddp["sent"]) == {"all_reduce"}
         assert ddp["sent"]["all_reduce"] >= result["gradient_bytes"]  # world 2: each rank sends it all once

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import _parallel_helpers as helpers
+import _launch_ranks as ranks
 import pytest
 import torch
 from _faults import FAULT_ENV, maybe_inject_fault, parse_fault
@@ -20,7 +20,7 @@ from tinylm.parallel import RankFailedError, launch
 from tinylm.parallel.launch import _first_failure
 
 REPO = Path(__file__).resolve().parents[1]
-HELPERS_SCRIPT = REPO / "tests" / "_parallel_helpers.py"
+RANKS_SCRIPT = REPO / "tests" / "_launch_ranks.py"
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def assert_all_gone(out_dir: Path, world_size: int) -> None:
 
 
 def test_ranks_get_their_context(tmp_path):
-    launch(helpers.report_context, args=(str(tmp_path),), world_size=2, backend="gloo", threads_per_rank=1)
+    launch(ranks.report_context, args=(str(tmp_path),), world_size=2, backend="gloo", threads_per_rank=1)
     results = read_results(tmp_path, 2)
     for rank, r in enumerate(results):
         assert (r["rank"], r["local_rank"], r["world_size"]) == (rank, rank, 2)
@@ -63,9 +63,7 @@ def test_ranks_get_their_context(tmp_path):
 def test_world_of_one_runs_in_place_without_a_group(tmp_path):
     threads = torch.get_num_threads()
     try:
-        launch(
-            helpers.report_context, args=(str(tmp_path),), world_size=1, backend="gloo", threads_per_rank=1
-        )
+        launch(ranks.report_context, args=(str(tmp_path),), world_size=1, backend="gloo", threads_per_rank=1)
     finally:
         torch.set_num_threads(threads)
     (r,) = read_results(tmp_path, 1)
@@ -79,7 +77,7 @@ def test_explicit_master_port_is_honoured(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launch(
-        helpers.report_context, args=(str(tmp_path),), world_size=2, master_addr="127.0.0.1", master_port=port
+        ranks.report_context, args=(str(tmp_path),), world_size=2, master_addr="127.0.0.1", master_port=port
     )
     assert [r["sum_of_ranks_plus_one"] for r in read_results(tmp_path, 2)] == [3.0, 3.0]
 
@@ -89,7 +87,7 @@ def test_torchrun_world_size_mismatch_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"WORLD_SIZE=3.*world_size=2"):
-        launch(helpers.report_context, args=("unused",), world_size=2)
+        launch(ranks.report_context, args=("unused",), world_size=2)
 
 
 def test_parse_and_inject_fault(monkeypatch):
@@ -113,7 +111,7 @@ def test_raising_rank_fails_the_job_with_its_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "rank=1,step=2,action=raise")
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(helpers.steps_with_fault, args=(str(tmp_path),), world_size=2, timeout_s=60)
+        launch(ranks.steps_with_fault, args=(str(tmp_path),), world_size=2, timeout_s=60)
     assert time.monotonic() - start < 30
     assert info.value.rank == 1
     message = str(info.value)
@@ -159,7 +157,7 @@ def test_the_first_failure_is_reported_not_the_first_one_seen(tmp_path):
 def test_exiting_or_killed_rank_fails_the_job(tmp_path, monkeypatch, action, expected):
     monkeypatch.setenv(FAULT_ENV, f"rank=1,step=1,action={action}")
     with pytest.raises(RankFailedError, match=f"rank 1 failed: {expected}"):
-        launch(helpers.steps_with_fault, args=(str(tmp_path),), world_size=2, timeout_s=60)
+        launch(ranks.steps_with_fault, args=(str(tmp_path),), world_size=2, timeout_s=60)
     assert_all_gone(tmp_path, 2)
 
 
@@ -168,7 +166,7 @@ def test_a_killed_launcher_leaves_no_rank_behind(tmp_path, sig):
     """Also where SIGINT is ignored, as in a background job (`nohup snakemake ... &`): torch's own
     parent-death signal to its spawned processes is SIGINT, which such ranks would never see."""
     launcher = subprocess.Popen(
-        [sys.executable, str(HELPERS_SCRIPT), "--wait", str(tmp_path)],
+        [sys.executable, str(RANKS_SCRIPT), "--wait", str(tmp_path)],
         env=subprocess_env(),
         cwd=tmp_path,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
@@ -194,7 +192,7 @@ def test_hung_rank_ends_the_job_after_the_timeout(tmp_path):
     timeout_s = 5.0
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 0 failed") as info:
-        launch(helpers.sleep_forever_on_rank1, args=(str(tmp_path),), world_size=2, timeout_s=timeout_s)
+        launch(ranks.sleep_forever_on_rank1, args=(str(tmp_path),), world_size=2, timeout_s=timeout_s)
     elapsed = time.monotonic() - start
     assert timeout_s <= elapsed < timeout_s + 20
     assert "Traceback" in str(info.value)
@@ -205,7 +203,7 @@ def test_failed_job_exits_non_zero_naming_the_rank(tmp_path):
     env = subprocess_env() | {FAULT_ENV: "rank=1,step=0,action=raise"}
     # train_tiny does not call maybe_inject_fault, so use the fault steps through a tiny script.
     script = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import _parallel_helpers as h; "
+        "import sys; sys.path.insert(0, sys.argv[1]); import _launch_ranks as h; "
         "from tinylm.parallel import launch; launch(h.steps_with_fault, args=(sys.argv[2],), world_size=2)"
     )
     start = time.monotonic()
@@ -227,7 +225,7 @@ def test_failed_job_exits_non_zero_naming_the_rank(tmp_path):
 def test_two_launches_at_once_both_succeed(tmp_path):
     outputs = [tmp_path / "a.pt", tmp_path / "b.pt"]
     procs = [
-        subprocess.Popen([sys.executable, str(HELPERS_SCRIPT), str(out)], env=subprocess_env(), cwd=tmp_path)
+        subprocess.Popen([sys.executable, str(RANKS_SCRIPT), str(out)], env=subprocess_env(), cwd=tmp_path)
         for out in outputs
     ]
     codes = [p.wait(timeout=120) for p in procs]
@@ -239,7 +237,7 @@ def test_two_launches_at_once_both_succeed(tmp_path):
 @pytest.mark.slow
 def test_torchrun_gives_the_same_result_as_spawn(tmp_path):
     spawned = tmp_path / "spawn.pt"
-    launch(helpers.train_tiny, args=(str(spawned),), world_size=2, backend="gloo")
+    launch(ranks.train_tiny, args=(str(spawned),), world_size=2, backend="gloo")
     torchrun = tmp_path / "torchrun.pt"
     cmd = [
         sys.executable,
@@ -248,7 +246,7 @@ def test_torchrun_gives_the_same_result_as_spawn(tmp_path):
         "--standalone",
         "--nproc-per-node",
         "2",
-        str(HELPERS_SCRIPT),
+        str(RANKS_SCRIPT),
         str(torchrun),
     ]
     proc = subprocess.run(

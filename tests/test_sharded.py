@@ -6,9 +6,10 @@ import json
 import math
 from pathlib import Path
 
-import _parallel_helpers as helpers
+import _sharded_ranks
 import pytest
 import torch
+from _parallel_common import assert_params_close, global_batch, job_results, launch_each, lm_loss, make_toy
 
 from tinylm.parallel import ShardedOptimizer, launch
 
@@ -17,16 +18,22 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-# torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner).
-@pytest.mark.parametrize(("optimizer_name", "bucket_mb"), [("torch", 25.0), ("tinylm", 2e-4)])
-def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name, bucket_mb):
-    launch(
-        helpers.sharded_matches_adamw,
-        args=(str(tmp_path), optimizer_name, bucket_mb),
-        world_size=2,
-        timeout_s=60,
-    )
-    results = read_results(tmp_path, 2)
+# torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner),
+# both in one launch (see _parallel_common.run_each).
+CASES = [("torch", 25.0), ("tinylm", 2e-4)]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    jobs = [(f"{name}-{mb}", _sharded_ranks.sharded_matches_adamw, (name, mb)) for name, mb in CASES]
+    return folder, launch_each(folder, jobs, world_size=2)
+
+
+@pytest.mark.parametrize(("optimizer_name", "bucket_mb"), CASES)
+def test_sharded_equals_adamw_and_consolidates(sharded_runs, optimizer_name, bucket_mb):
+    folder, error = sharded_runs
+    results = job_results(folder, f"{optimizer_name}-{bucket_mb}", 2, error)
     total = results[0]["total_elements"]
     assert sum(r["owned_elements"] for r in results) == total
     for r in results:
@@ -42,7 +49,7 @@ def test_sharded_equals_adamw_and_consolidates(tmp_path, optimizer_name, bucket_
 
 def test_sharding_is_balanced_and_disjoint_on_three_ranks(tmp_path):
     sizes = [100, 7, 60, 55, 3, 40, 40, 1]
-    launch(helpers.sharded_balances, args=(str(tmp_path), sizes), world_size=3, timeout_s=60)
+    launch(_sharded_ranks.sharded_balances, args=(str(tmp_path), sizes), world_size=3, timeout_s=60)
     results = read_results(tmp_path, 3)
     owned = sorted(i for r in results for i in r["owned"])
     assert owned == list(range(len(sizes)))
@@ -54,21 +61,21 @@ def test_sharding_is_balanced_and_disjoint_on_three_ranks(tmp_path):
 
 
 def test_world_of_one_equals_adamw():
-    model, reference = helpers.make_toy(seed=2), helpers.make_toy(seed=2)
+    model, reference = make_toy(seed=2), make_toy(seed=2)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(3):
-        x, y = helpers.global_batch(step, 2)
+        x, y = global_batch(step, 2)
         for m, o in ((model, opt), (reference, ref_opt)):
-            helpers.lm_loss(m, x, y).backward()
+            lm_loss(m, x, y).backward()
             o.step()
             o.zero_grad()
-    helpers.assert_params_close(model, reference, 0.0, "world of one")
+    assert_params_close(model, reference, 0.0, "world of one")
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
 
 
 def test_load_state_dict_refuses_other_structure():
-    model = helpers.make_toy(seed=2)
+    model = make_toy(seed=2)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
     with pytest.raises(ValueError, match="parameters"):

@@ -326,27 +326,28 @@ def _read_results(out_dir: Path, world_size: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def saved_at_world_two(tmp_path_factory):
-    import _parallel_helpers as helpers
+    import _state_ranks as ranks
 
     from tinylm.parallel import launch
 
     folder = tmp_path_factory.mktemp("sharded")
-    launch(helpers.save_sharded, args=(str(folder / "state"), str(folder), 3), world_size=2, timeout_s=60)
+    launch(ranks.save_sharded, args=(str(folder / "state"), str(folder), 3), world_size=2, timeout_s=60)
     return folder
 
 
 def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_its_share(saved_at_world_two):
-    import _parallel_helpers as helpers
+    import _state_ranks as ranks
+    from _parallel_common import make_toy, param_groups
 
     state = saved_at_world_two / "state"
-    model, reference = helpers.make_trained(range(3), sharded=False)
+    model, reference = ranks.make_trained(range(3), sharded=False)
     out = published_lib.publish(state, saved_at_world_two / "checkpoints")
     full = torch.load(out[-1], weights_only=True)  # the full checkpoint format, plainly loaded
     assert_same(full["model"], model.state_dict())
     assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly
-    plain = helpers.make_toy(seed=0)
+    plain = make_toy(seed=0)
     plain.load_state_dict(full["model"])
-    torch.optim.AdamW(helpers._param_groups(plain)).load_state_dict(full["optimizer"])
+    torch.optim.AdamW(param_groups(plain)).load_state_dict(full["optimizer"])
     assert [entry["rank"] for entry in full["rng"]] == [0, 1] and full["tokens_seen"] == 60
 
     ranks = _read_results(saved_at_world_two, 2)
@@ -363,16 +364,16 @@ def _state_bytes(optimizer) -> int:
 
 
 def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_world_two, tmp_path):
-    import _parallel_helpers as helpers
+    import _state_ranks as ranks
 
     from tinylm.parallel import launch
 
     state = saved_at_world_two / "state"
-    _, saved = helpers.make_trained(range(3), sharded=False)
-    reference_model, _ = helpers.make_trained(range(6), sharded=False)
+    _, saved = ranks.make_trained(range(3), sharded=False)
+    reference_model, _ = ranks.make_trained(range(6), sharded=False)
 
     launch(
-        helpers.restore_sharded_and_continue,
+        ranks.restore_sharded_and_continue,
         args=(str(state), str(tmp_path), 3, 3),
         world_size=3,
         timeout_s=60,
@@ -392,22 +393,22 @@ def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_wor
         assert 0 < r["owned_state"] < _state_bytes(saved)
 
     # One process with a plain AdamW reads the whole state (no launch: a world of one).
-    model, optimizer = helpers.make_trained([], seed=99, sharded=False)
+    model, optimizer = ranks.make_trained([], seed=99, sharded=False)
     rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
-    helpers.train_toy(model, optimizer, range(3, 6))
+    ranks.train_toy(model, optimizer, range(3, 6))
     assert rest["iteration"] == 3
     assert_same(model.state_dict(), reference_model.state_dict())
 
 
 def test_a_checkpoint_slower_than_the_collective_timeout_still_commits(tmp_path):
     """Rank 0 writes slowly (the usual case: it writes the most); rank 1 waits for it, beyond the timeout."""
-    import _parallel_helpers as helpers
+    import _state_ranks as ranks
 
     from tinylm.parallel import launch
 
     timeout_s = 2.0
     launch(
-        helpers.checkpoint_with_a_slow_or_hung_rank,
+        ranks.checkpoint_with_a_slow_or_hung_rank,
         args=(str(tmp_path / "state"), str(tmp_path), 0, 0.15),
         world_size=2,
         timeout_s=timeout_s,
@@ -422,7 +423,7 @@ def test_a_rank_that_hangs_while_checkpointing_is_reported_within_the_timeout(tm
     """Rank 1 stops in its first write; rank 0, waiting for it, reports it after train.timeout_s."""
     import time
 
-    import _parallel_helpers as helpers
+    import _state_ranks as ranks
 
     from tinylm.parallel import RankFailedError, launch
 
@@ -430,7 +431,7 @@ def test_a_rank_that_hangs_while_checkpointing_is_reported_within_the_timeout(tm
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 0 failed") as info:
         launch(
-            helpers.checkpoint_with_a_slow_or_hung_rank,
+            ranks.checkpoint_with_a_slow_or_hung_rank,
             args=(str(tmp_path / "state"), str(tmp_path), 1, -1),
             world_size=2,
             timeout_s=timeout_s,

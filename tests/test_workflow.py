@@ -87,6 +87,23 @@ def two_runs(tmp_path_factory):
     return runs
 
 
+# Named runs: a sweep shares the data stages, each run has its own artifacts, compare lists them all
+SWEEP = {"runs": {"lr3e-2": {"train.lr_max": 0.03}, "narrow": {"model.d_ff": 48, "train.warmup_iters": 2}}}
+
+
+@pytest.fixture(scope="module")
+def extended_run(two_runs, tmp_path_factory):
+    """A copy of the first run, then `results/hf` (the export) and SWEEP's runs built on it: what the
+    export and sweep tests check, and where the README's commands run (nothing there is built twice)."""
+    workdir = tmp_path_factory.mktemp("extended") / "run"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    had_hf = (workdir / "results" / "hf").exists()
+    export = snakemake(workdir, "results/hf", "--quiet", "rules")
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
+    sweep = snakemake(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
+    return {"workdir": workdir, "had_hf": had_hf, "export": export, "sweep": sweep}
+
+
 @pytest.mark.slow
 def test_workflow_produces_every_artifact_and_learns(two_runs):
     results = two_runs[0] / "results"
@@ -269,18 +286,16 @@ def test_single_stages_rerun_by_hand(two_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path):
+def test_export_rule_writes_a_folder_that_transformers_loads(extended_run):
     """`results/hf` is built on request only, from the published checkpoints, by the export rule alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tinylm.published import load_model
     from tinylm.tokenizer import Tokenizer
 
-    workdir = tmp_path / "copy"
-    shutil.copytree(two_runs[0], workdir, symlinks=True)
-    results = workdir / "results"
-    assert not (results / "hf").exists()  # not part of the default target
-    proc = snakemake(workdir, "results/hf", "--quiet", "rules")
+    results = extended_run["workdir"] / "results"
+    assert not extended_run["had_hf"]  # not part of the default target
+    proc = extended_run["export"]
     out = proc.stdout + proc.stderr
     assert {line.split()[0] for line in out.splitlines() if line.split()} & {
         "pretrain",
@@ -301,10 +316,26 @@ def test_export_rule_writes_a_folder_that_transformers_loads(two_runs, tmp_path)
         assert (hf_model(window).logits - model(window)).abs().max() <= 1e-4
 
 
+DATA_STAGES = ("corpus", "train_tokenizer", "encode")
+
+
+def copy_of_the_data_stages(run: Path, workdir: Path) -> Path:
+    """A copy of a finished run with only the data stages done (their outputs, logs and benchmarks)."""
+    shutil.copytree(run, workdir, symlinks=True)
+    results = workdir / "results"
+    for path in results.iterdir():
+        if path.name not in ("corpus", "tokenizer", "tokens", "logs", "benchmarks"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in [*(results / "logs").iterdir(), *(results / "benchmarks").iterdir()]:
+        if path.stem not in DATA_STAGES:
+            path.unlink()
+    return workdir
+
+
 @pytest.mark.slow
 def test_killed_pretrain_resumes_under_snakemake(two_runs, tmp_path):
     """Snakemake deletes a failed job's outputs; the resume state outside them survives."""
-    workdir = make_workdir(tmp_path / "run")
+    workdir = copy_of_the_data_stages(two_runs[0], tmp_path / "run")
     env = fault_env(dict(os.environ), "rank=1,step=25,action=kill")
     failed = snakemake(workdir, "all", check=False, env=env)
     assert failed.returncode != 0
@@ -340,9 +371,7 @@ def test_killed_pretrain_resumes_under_snakemake(two_runs, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Named runs: a sweep shares the data stages, each run has its own artifacts, compare lists them all
-
-SWEEP = {"runs": {"lr3e-2": {"train.lr_max": 0.03}, "narrow": {"model.d_ff": 48, "train.warmup_iters": 2}}}
+# Named runs (SWEEP is defined beside the extended_run fixture above)
 
 
 def planned_counts(workdir: Path, *args: str) -> dict[str, int]:
@@ -405,11 +434,9 @@ def test_a_run_named_twice_in_a_sweep_file_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(two_runs, tmp_path):
-    workdir = tmp_path / "copy"
-    shutil.copytree(two_runs[0], workdir, symlinks=True)  # the data and the default run are done
-    (workdir / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
-    proc = snakemake(workdir, "results/compare.csv", "--configfile", str(workdir / "sweep.yaml"))
+def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(extended_run):
+    workdir = extended_run["workdir"]  # the data and the default run were done before the sweep
+    proc = extended_run["sweep"]
     finished = re.findall(r"\(Rule: (\w+)\)", proc.stdout + proc.stderr)
     assert sorted(finished) == ["compare", "evaluate", "evaluate", "pretrain", "pretrain"]  # no data job
     results = workdir / "results"
@@ -512,18 +539,22 @@ def readme_extra(spec: str) -> str | None:
 
 
 @pytest.mark.slow
-def test_every_readme_command_runs(two_runs, tmp_path):
-    """In a copy of a finished tiny run with the workflow beside it, as a user would type them: stages by hand,
-    the reports, the export and what loads it, and tensorboard (--inspect, which prints and exits) for real;
-    every other snakemake command as a dry run; `python -m pytest` collects only; `pip install` is checked
-    against pyproject.toml (its extras exist and the pinned torch is in the accepted range). A sweep's
-    report is built after a one-run sweep written to the sweep file it names."""
+def test_every_readme_command_runs(extended_run, tmp_path):
+    """In a copy of a finished tiny run with the workflow beside it, as a user would type them: stages by
+    hand, the reports, the export and what loads it, and tensorboard (--inspect, which prints and exits) for
+    real; every other snakemake command as a dry run; `python -m pytest` collects only; `pip install` is
+    checked against pyproject.toml (its extras exist and the pinned torch is in the accepted range). A
+    sweep's report is built after a one-run sweep written to the sweep file it names. The copy is of the
+    extended run, where the export and SWEEP's runs are built already: the export command finds its
+    folder done, and the one-run sweep is one of SWEEP's, so only its comparison is made again."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     workdir = tmp_path / "copy"
-    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    shutil.copytree(extended_run["workdir"], workdir, symlinks=True)
+    for name in ("compare.csv", "compare.png"):  # made again by the sweep before its report
+        (workdir / "results" / name).unlink()
     (workdir / "workflow").symlink_to(ROOT / "workflow")
     for info, lines in readme_code_blocks():  # files the README shows, such as config/my_sweep.yaml
         if info == "yaml" and lines[0].startswith("# config/"):
@@ -554,11 +585,12 @@ def test_every_readme_command_runs(two_runs, tmp_path):
         elif words[0] == "tensorboard":
             run = command.replace("tensorboard ", "tensorboard --inspect ", 1)
         elif "--report" in words and "--configfile" in words:
-            # A sweep's report needs the sweep run first: a one-run sweep in the same file, trained for real
-            # (the README's three runs, one with a tokenizer of its own, would take minutes).
+            # A sweep's report needs the sweep run first: a one-run sweep in the same file (the README's
+            # three runs, one with a tokenizer of its own, would take minutes), a run of SWEEP, trained
+            # already by extended_run.
             sweep = workdir / words[words.index("--configfile") + 1]
             shown = sweep.read_text()
-            sweep.write_text(yaml.safe_dump({"runs": {"lr3e-3": {"train.lr_max": 0.003}}}))
+            sweep.write_text(yaml.safe_dump({"runs": {"lr3e-2": SWEEP["runs"]["lr3e-2"]}}))
             target = next(w for w in words[1:] if w.startswith("results/"))
             run = f"snakemake --cores all {target} --configfile {sweep.relative_to(workdir)} && {command}"
         proc = subprocess.run(

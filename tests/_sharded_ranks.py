@@ -1,0 +1,151 @@
+"""Rank functions of tests/test_sharded.py: ShardedOptimizer against plain AdamW, and its balance.
+
+They live in a module because mp.spawn pickles a function by its module path (see
+tests/_parallel_common.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import torch
+import torch.distributed as dist
+from _parallel_common import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
+from torch import nn
+
+from tinylm.parallel import ShardedOptimizer
+
+
+def optimizer_class(name: str):
+    if name == "torch":
+        return torch.optim.AdamW
+    from tinylm.optim import AdamW
+
+    return AdamW
+
+
+def _train(model, extra, opt, steps, add_extra_at=None):
+    """Every rank computes the same loss; the lr changes every step; `extra` joins the optimizer late."""
+    for step in steps:
+        if step == add_extra_at:
+            opt.add_param_group({"params": [extra], "weight_decay": 0.05})
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * (1 + step) / 10
+        x, y = global_batch(step, 4)
+        (lm_loss(model, x, y) + 0.01 * extra.square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str, bucket_mb: float) -> None:
+    """ShardedOptimizer(AdamW) equals AdamW for 11 steps; its state is sharded and consolidates.
+
+    The parameters live in the owners' flat buffers, and a step broadcasts those in buckets (the
+    11th step counts them). Then the consolidated state dict must equal the plain optimizer's,
+    survive torch.save/torch.load with weights_only=True, load into a plain AdamW and into a fresh
+    ShardedOptimizer, and all three must continue training identically.
+    """
+    cls = optimizer_class(optimizer_name)
+    world, rank = ctx.world_size, ctx.rank
+    torch.manual_seed(0)
+    extra = nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
+    model, reference = make_toy(seed=5), make_toy(seed=5)
+    ref_extra = nn.Parameter(extra.detach().clone())
+    opt = ShardedOptimizer(param_groups(model), cls, bucket_size_mb=bucket_mb, lr=1e-2, betas=(0.9, 0.95))
+    ref_opt = cls(param_groups(reference), lr=1e-2, betas=(0.9, 0.95))
+    for step in range(10):
+        _train(model, extra, opt, [step], add_extra_at=4)
+        _train(reference, ref_extra, ref_opt, [step], add_extra_at=4)
+        assert_params_close(model, reference, 1e-6, f"step {step}")
+        assert (extra - ref_extra).abs().max().item() <= 1e-6
+    all_params = [p for group in opt.param_groups for p in group["params"]]
+
+    # Communication: the parameters are views into the owners' flat buffers, which a step
+    # broadcasts in buckets of at most bucket_mb, one collective per bucket.
+    flats = {flat.untyped_storage().data_ptr() for _, flat in opt._flat}
+    assert all(p.untyped_storage().data_ptr() in flats for p in all_params)
+    broadcasts = []
+    original_broadcast = dist.broadcast
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        broadcasts.append(tensor.numel() * tensor.element_size())
+        return original_broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counting_broadcast
+    try:
+        _train(model, extra, opt, [10])
+    finally:
+        dist.broadcast = original_broadcast
+    _train(reference, ref_extra, ref_opt, [10])
+    assert_params_close(model, reference, 1e-6, "step 10")
+
+    # Sharding: disjoint shares that cover everything, balanced by elements, state only for the share.
+    index = {p: i for i, p in enumerate(all_params)}
+    owned = sorted(index[p] for group in opt.local_optimizer.param_groups for p in group["params"])
+    shares: list[list[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(shares, owned)
+    assert sorted(i for share in shares for i in share) == list(range(len(all_params)))
+    owned_elements = sum(all_params[i].numel() for i in owned)
+    # Only parameters that ever had a gradient have state (not `unused`, not `extra` of the model).
+    ref_params = [p for group in ref_opt.param_groups for p in group["params"]]
+    stateful = [i for i in owned if ref_params[i] in ref_opt.state]
+    assert set(opt.state) == {all_params[i] for i in stateful}
+    state_elements = sum(
+        v.numel() for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")
+    )
+    assert state_elements == 2 * sum(all_params[i].numel() for i in stateful)
+
+    # Consolidated state: the plain optimizer's format and values, loadable with weights_only=True.
+    full = opt.state_dict()
+    expected = ref_opt.state_dict()
+    assert full["param_groups"] == expected["param_groups"]
+    assert full["state"].keys() == expected["state"].keys()
+    for i, state in expected["state"].items():
+        assert full["state"][i].keys() == state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(full["state"][i][name], value, rtol=0, atol=1e-12)
+    buffer = io.BytesIO()
+    torch.save(full, buffer)
+    buffer.seek(0)
+    full = torch.load(buffer, weights_only=True)
+
+    plain_model, plain_extra = copy.deepcopy(model), nn.Parameter(extra.detach().clone())
+    plain_opt = cls([*param_groups(plain_model), {"params": [plain_extra]}], lr=0.0)
+    plain_opt.load_state_dict(copy.deepcopy(full))  # load_state_dict may alias the tensors
+    resharded_model, resharded_extra = copy.deepcopy(model), nn.Parameter(extra.detach().clone())
+    resharded_opt = ShardedOptimizer(
+        [*param_groups(resharded_model), {"params": [resharded_extra]}], cls, lr=0.0, betas=(0.5, 0.5)
+    )
+    resharded_opt.load_state_dict(copy.deepcopy(full))
+    for step in range(11, 14):
+        _train(model, extra, opt, [step])
+        _train(plain_model, plain_extra, plain_opt, [step])
+        _train(resharded_model, resharded_extra, resharded_opt, [step])
+        assert_params_close(plain_model, model, 1e-6, f"plain after load, step {step}")
+        assert_params_close(resharded_model, model, 1e-6, f"resharded after load, step {step}")
+        assert (plain_extra - extra).abs().max().item() <= 1e-6
+        assert (resharded_extra - extra).abs().max().item() <= 1e-6
+    write_result(
+        out_dir,
+        rank,
+        {
+            "owned_elements": owned_elements,
+            "state_elements": state_elements,
+            "total_elements": sum(p.numel() for p in all_params),
+            "largest": max(p.numel() for p in all_params),
+            "broadcasts": broadcasts,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in all_params),
+            "num_parameters": len(all_params),
+        },
+    )
+
+
+def sharded_balances(ctx, out_dir: str, sizes: list[int]) -> None:
+    """Report how many elements this rank owns among parameters of the given sizes."""
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    opt = ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    owned = [i for i, p in enumerate(params) if opt.owner[p] == ctx.rank]
+    local = [p for group in opt.local_optimizer.param_groups for p in group["params"]]
+    assert [params[i] for i in owned] == local
+    write_result(out_dir, ctx.rank, {"owned": owned, "elements": sum(sizes[i] for i in owned)})
