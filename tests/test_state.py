@@ -4,8 +4,6 @@ the disk a run keeps bounded."""
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,13 @@ from _checkpoints import manifest_for, read_checked
 
 from tinylm import published as published_lib
 from tinylm import state as state_lib
-from tinylm.io import FolderLockedError, StateLock
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
 from tinylm.state import (
-    FORMAT,
     CheckpointError,
     commit,
     committed_steps,
 )
-from tinylm.training import check_resumable
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
@@ -73,59 +68,6 @@ def assert_same(a, b, where=""):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
-
-
-def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_path):
-    for step in (10, 20, 30, 40):
-        commit(tmp_path, step, payload(step), MANIFEST, keep=2)
-    assert committed_steps(tmp_path) == [30, 40]
-    manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
-    assert (
-        manifest["step"] == 40
-        and manifest["format"] == FORMAT
-        and manifest["torch_version"] == torch.__version__
-    )
-    assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
-
-    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
-    assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
-    # The newest is in the full checkpoint format ({model, optimizer, iteration}): a plain torch.load
-    # into a plain AdamW.
-    full = torch.load(out[-1], weights_only=True)
-    assert_same(full, payload(40))
-    model = Transformer(**full["model_config"])
-    model.load_state_dict(full["model"])
-    AdamW(model.parameters()).load_state_dict(full["optimizer"])
-    # Older steps keep what evaluation and generation need.
-    for path, step in zip(out[:-1], (10, 20, 30), strict=True):
-        weights, published = read_checked(path)
-        assert published["contents"] == "weights" and "optimizer" not in weights
-        expected = payload(step)
-        assert_same(
-            weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")}
-        )
-
-    # The bytes kept: keep x (checkpoint.pt + weights.pt) + (published steps - keep) x weights.pt.
-    sizes = {}
-    for path in tmp_path.rglob("*.pt"):
-        sizes[path.stat().st_ino] = path.stat().st_size
-    full_size = (tmp_path / "step_0000040" / "checkpoint.pt").stat().st_size
-    weights_size = (tmp_path / "step_0000040" / "weights.pt").stat().st_size
-    assert sum(sizes.values()) == 2 * (full_size + weights_size) + (4 - 2) * weights_size
-    assert (tmp_path / "published" / "step_40.pt").samefile(tmp_path / "step_0000040" / "checkpoint.pt")
-    assert (tmp_path / "published" / "step_30.pt").samefile(tmp_path / "step_0000030" / "weights.pt")
-
-
-def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
-    for step in (10, 20):
-        commit(tmp_path, step, payload(step), MANIFEST)
-    # As if a commit was killed after taking step 10's manifest away and before writing it again.
-    (tmp_path / "published" / "step_10.json").unlink()
-    (tmp_path / "published" / "step_10.pt").unlink()
-    assert published_lib.published_steps(tmp_path / "published") == [20]
-    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
-    assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
-    assert read_checked(out[0])[1]["contents"] == "weights"
 
 
 def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it(tmp_path):
@@ -234,68 +176,6 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     with open(path, "rb") as f:
         torch.load(f, weights_only=False)
     assert marker.exists()
-
-
-def test_resume_check_names_the_value_that_differs():
-    saved = {**MANIFEST, "format": FORMAT}
-    check_resumable(saved, dict(MANIFEST), "s")
-    with pytest.raises(CheckpointError, match="format differs"):
-        check_resumable({**saved, "format": 1}, dict(MANIFEST), "s")
-    # The same batches at any world size or thread count: those may change.
-    check_resumable(saved, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
-    with pytest.raises(CheckpointError, match="seed differs.*0.*1"):
-        check_resumable(saved, {**MANIFEST, "seed": 1}, "s")
-    with pytest.raises(CheckpointError, match="structural_hash differs"):
-        check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
-    with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
-        check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
-
-
-def test_lock_stops_a_second_trainer(tmp_path):
-    code = (
-        "import sys, time; from tinylm.io import StateLock\n"
-        "with StateLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(30)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(FolderLockedError, match=f"another trainer \\(pid {holder.pid}\\)"):
-            with StateLock(tmp_path):
-                pass
-    finally:
-        holder.kill()
-        holder.wait()
-    with StateLock(tmp_path):  # released when its holder died
-        pass
-
-
-def test_a_filesystem_without_flock_locks_with_an_exclusive_file(tmp_path, monkeypatch, capsys):
-    import errno
-    import fcntl
-
-    def no_flock(fd, operation):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
-    with StateLock(tmp_path):
-        assert "no flock (ENOSYS)" in capsys.readouterr().err
-        assert (tmp_path / "lock.pid").read_text().strip().endswith(f":{os.getpid()}")
-        with pytest.raises(FolderLockedError, match=r"another trainer \(.*:\d+\) is using this state folder"):
-            with StateLock(tmp_path):
-                pass
-    assert not (tmp_path / "lock.pid").exists()  # released on exit
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    import socket
-
-    (tmp_path / "lock.pid").write_text(f"{socket.gethostname()}:{dead.stdout.strip()}\n")
-    with StateLock(tmp_path):  # left by a process that no longer runs: taken over
-        pass
-    (tmp_path / "lock.pid").write_text("another-host:1\n")
-    with pytest.raises(FolderLockedError, match="delete .*lock.pid if no trainer runs"):
-        with StateLock(tmp_path):
-            pass
 
 
 def test_every_torch_load_in_the_package_passes_weights_only_true():

@@ -582,3 +582,24 @@ def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
     assert limit_compile_threads(8) == 3 == inductor_config.compile_threads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: the ranks started on this machine
     assert ranks_on_this_machine(16) == 4
+
+
+def test_resume_check_names_the_value_that_differs():
+    from test_state import MANIFEST
+
+    from tinylm.checkpoint import CheckpointError
+    from tinylm.state import FORMAT
+    from tinylm.training import check_resumable
+
+    saved = {**MANIFEST, "format": FORMAT}
+    check_resumable(saved, dict(MANIFEST), "s")
+    with pytest.raises(CheckpointError, match="format differs"):
+        check_resumable({**saved, "format": 1}, dict(MANIFEST), "s")
+    # The same batches at any world size or thread count: those may change.
+    check_resumable(saved, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
+    with pytest.raises(CheckpointError, match="seed differs.*0.*1"):
+        check_resumable(saved, {**MANIFEST, "seed": 1}, "s")
+    with pytest.raises(CheckpointError, match="structural_hash differs"):
+        check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
+    with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
+        check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
