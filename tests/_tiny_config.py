@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_tiny_config(path: Path, **sections: dict) -> Path:
-    """The shipped config shrunk for `tiny_data` (vocab 300, context 16, 12 steps); `sections` override keys."""
+    """The shipped config shrunk for `tiny_data` (vocab 300, context 16, 12 steps); `sections`
+    override keys."""
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     cfg["tokenizer"]["vocab_size"] = 300
     cfg["model"].update(context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)

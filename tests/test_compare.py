@@ -17,7 +17,8 @@ from tinylm.compare import (
 
 
 def fake_run(folder, name, losses, seconds_per_step=None, vocab_size=None, **extra):
-    """An eval.csv with one row per (step, loss) and, optionally, manifests with train_seconds and the vocabulary."""
+    """An eval.csv with one row per (step, loss) and, optionally, manifests with train_seconds and
+    the vocabulary."""
     run_dir = folder / name
     (run_dir / "checkpoints").mkdir(parents=True)
     rows = [

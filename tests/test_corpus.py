@@ -212,7 +212,8 @@ def test_play_markdown_quirks_become_clean_documents():
         "CHORUS:\nO for a muse of fire,\n[Within]\nthat would ascend.\n\n"
         "RICHARD PLANTAGENET:\nI am here.\n\n"
         "LUCE & NELL:\nWho knocks?",
-        "The Test Play. ACT I, SCENE II. A field between Towton and Saxton.\n\n[Alarum.]\n\nKING:\n1. A flourish.",
+        "The Test Play. ACT I, SCENE II. A field between Towton and Saxton.\n\n[Alarum.]\n\n"
+        "KING:\n1. A flourish.",
         "The Test Play. ACT I, SCENE III. A wood.\n\n[Burthen dispersedly, within]",
         "The Test Play. ACT I, EPILOGUE\n\nPUCK:\nIf we shadows have offended, & c.",
     ]
@@ -453,12 +454,16 @@ def test_failure_leaves_no_output_and_keeps_old_outputs(tmp_path):
 
 def test_bad_config_values_name_the_key(tmp_path):
     # The typed config refuses these before the stage runs (the stage takes a CorpusConfig).
-    for keys, key in [({"source": "ftp"}, "corpus.source"), ({"source": "files", "train_files": "a.txt"}, "corpus.train_files"),
-                      ({"source": "files"}, "corpus.train_files"),
-                      ({"source": "files", "train_files": ["a.txt"], "valid_fraction": 1.5}, "corpus.valid_fraction"),
-                      ({"source": "url", "train_url": "http://127.0.0.1:9/t.txt"}, "corpus.train_sha256"),
-                      ({"source": "url", "train_url": "http://127.0.0.1:9/t.txt", "train_sha256": "abc"}, "corpus.train_sha256"),
-                      ({"valid_plays": []}, "corpus.valid_plays")]:  # fmt: skip
+    url = "http://127.0.0.1:9/t.txt"
+    for keys, key in [
+        ({"source": "ftp"}, "corpus.source"),
+        ({"source": "files", "train_files": "a.txt"}, "corpus.train_files"),
+        ({"source": "files"}, "corpus.train_files"),
+        ({"source": "files", "train_files": ["a.txt"], "valid_fraction": 1.5}, "corpus.valid_fraction"),
+        ({"source": "url", "train_url": url}, "corpus.train_sha256"),
+        ({"source": "url", "train_url": url, "train_sha256": "abc"}, "corpus.train_sha256"),
+        ({"valid_plays": []}, "corpus.valid_plays"),
+    ]:
         with pytest.raises(ValueError, match=key):
             prepare(keys, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert not (tmp_path / "train.txt").exists()

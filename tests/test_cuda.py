@@ -128,8 +128,9 @@ def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                train(load_config({str(config)!r}), {str(tiny_data["tokenizer"])!r}, {str(tiny_data["train"])!r},
-                      {str(tiny_data["valid"])!r}, {str(tmp_path / f"s{steps}")!r}, {str(tmp_path / f"k{steps}")!r})
+                train(load_config({str(config)!r}), {str(tiny_data["tokenizer"])!r},
+                      {str(tiny_data["train"])!r}, {str(tiny_data["valid"])!r},
+                      {str(tmp_path / f"s{steps}")!r}, {str(tmp_path / f"k{steps}")!r})
             print(sum("synchroniz" in str(w.message) for w in caught))
         """)
         proc = subprocess.run(

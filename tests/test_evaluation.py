@@ -364,7 +364,8 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     script = (
         f"import runpy, sys; sys.argv = ['tinylm', *{arguments!r}]\n"
         "try:\n    runpy.run_module('tinylm', run_name='__main__')\n"
-        "finally:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"
+        "finally:\n"
+        "    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"
     )
 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

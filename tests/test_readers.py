@@ -192,14 +192,17 @@ def test_url_list_downloads_each_format_and_caches(tmp_path):
 
 
 def test_url_list_entries_are_checked_by_the_config(tmp_path):
+    pinned = f"https://x/b#sha256={'0' * 64}"
     bad = [
         ({"train_urls": ["https://x/a.parquet"]}, "corpus.train_urls[0]"),
         ({"train_urls": ["https://x/a.parquet#sha256=abc"]}, "corpus.train_urls[0]"),
-        ({"train_url": "https://x/a.txt", "train_sha256": "0" * 64, "train_urls": [f"https://x/b#sha256={'0' * 64}"]},
-         "corpus.train_urls"),
+        (
+            {"train_url": "https://x/a.txt", "train_sha256": "0" * 64, "train_urls": [pinned]},
+            "corpus.train_urls",
+        ),
         ({}, "corpus.train_urls"),
-        ({"train_urls": [f"https://x/b#sha256={'0' * 64}"], "valid_urls": ["nohash"]}, "corpus.valid_urls[0]"),
-    ]  # fmt: skip
+        ({"train_urls": [pinned], "valid_urls": ["nohash"]}, "corpus.valid_urls[0]"),
+    ]
     for keys, key in bad:
         with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
             from_dict({"corpus": {"source": "url", **keys}})
@@ -215,20 +218,28 @@ def truncated(data: bytes) -> bytes:
     return data[: len(data) * 2 // 3]
 
 
+ZSTD = zstandard.ZstdCompressor()
 BAD_INPUTS = {
-    "missing key": ("t.jsonl", b'{"text": "fine"}\n{"id": 3, "content": "x"}\n', r"t.jsonl: line 2: no key 'text' \(keys: 'id', 'content'\)"),
-    "text not a string": ("t.jsonl", b'{"text": "fine"}\n\n{"text": 17}\n', r"t.jsonl: line 3: 'text' holds int, not a string"),
+    "missing key": ("t.jsonl", b'{"text": "fine"}\n{"id": 3, "content": "x"}\n',
+                    r"t.jsonl: line 2: no key 'text' \(keys: 'id', 'content'\)"),
+    "text not a string": ("t.jsonl", b'{"text": "fine"}\n\n{"text": 17}\n',
+                          r"t.jsonl: line 3: 'text' holds int, not a string"),
     "null text": ("t.jsonl", b'{"text": null}\n', r"line 1: 'text' holds NoneType, not a string"),
     "not JSON": ("t.jsonl", b'{"text": "fine"}\n{"text": "cut\n', r"t.jsonl: line 2: not valid JSON"),
-    "not an object": ("t.json", b'["a", "b"]\n', r"t.json: line 1: expected one JSON object per line, got list"),
-    "bad UTF-8 in JSON": ("t.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"t.jsonl: line 2: not valid UTF-8"),
-    "bad UTF-8 in .gz text": ("t.txt.gz", gzip.compress(b"good text \xff bad"), r"t.txt.gz: not valid UTF-8: invalid byte at offset 10"),
-    "truncated .gz": ("t.jsonl.gz", truncated(gzip.compress(b'{"text": "abc"}\n' * 5000)), r"t.jsonl.gz: truncated or corrupt gzip data"),
+    "not an object": ("t.json", b'["a", "b"]\n',
+                      r"t.json: line 1: expected one JSON object per line, got list"),
+    "bad UTF-8 in JSON": ("t.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+                          r"t.jsonl: line 2: not valid UTF-8"),
+    "bad UTF-8 in .gz text": ("t.txt.gz", gzip.compress(b"good text \xff bad"),
+                              r"t.txt.gz: not valid UTF-8: invalid byte at offset 10"),
+    "truncated .gz": ("t.jsonl.gz", truncated(gzip.compress(b'{"text": "abc"}\n' * 5000)),
+                      r"t.jsonl.gz: truncated or corrupt gzip data"),
     "corrupt .gz": ("t.txt.gz", b"\x1f\x8b\x08\x00garbage" * 20, r"t.txt.gz: truncated or corrupt gzip data"),
-    "truncated .zst": ("t.jsonl.zst", truncated(zstandard.ZstdCompressor().compress(b'{"text": "abc"}\n' * 5000)),
+    "truncated .zst": ("t.jsonl.zst", truncated(ZSTD.compress(b'{"text": "abc"}\n' * 5000)),
                        r"t.jsonl.zst: truncated zstandard data"),
     "corrupt .zst": ("t.txt.zst", b"not zstandard at all", r"t.txt.zst: corrupt zstandard data"),
-    "compressed Parquet": ("t.parquet.gz", gzip.compress(b"x"), r"t.parquet.gz: Parquet compresses its own pages"),
+    "compressed Parquet": ("t.parquet.gz", gzip.compress(b"x"),
+                           r"t.parquet.gz: Parquet compresses its own pages"),
     "not Parquet": ("t.parquet", b"PAR1 this is not parquet", r"t.parquet: not a readable Parquet file"),
     "empty JSON Lines": ("t.jsonl", b'{"text": ""}\n{"text": "  "}\n', r"t.jsonl: no record holds text"),
 }  # fmt: skip

@@ -141,7 +141,8 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights_with_
         from tinylm.training import train
         data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
         for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state, state + "_ckpt")
+            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
+                  state + "_ckpt")
     """)
     proc = subprocess.run(
         [sys.executable, "-c", script],
