@@ -36,7 +36,9 @@ def split(model: torch.nn.Module) -> tuple[list, list]:
 
 
 def make(config: dict, with_adamw: bool):
-    """Two identical models with equal fixed gradients: (ours step, theirs step, Muon matrices, their elements)."""
+    """Two identical models with equal fixed gradients.
+
+    Returns (our step, torch's step, the number of Muon matrices, their elements)."""
     torch.manual_seed(0)
     ours_model, theirs_model = Transformer(**config), Transformer(**config)
     theirs_model.load_state_dict(ours_model.state_dict())
@@ -90,7 +92,8 @@ def main() -> None:
             a, b = statistics.median(mine), statistics.median(torchs)
             groups = "Muon + AdamW (torch: Muon + foreach AdamW)" if with_adamw else "Muon only"
             print(
-                f"| {name} | {groups} | {count} ({elements:,}) | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.3f}x |"
+                f"| {name} | {groups} | {count} ({elements:,}) | {a * 1e3:.2f} | {b * 1e3:.2f} | "
+                f"{a / b:.3f}x |"
             )
 
 
