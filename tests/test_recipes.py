@@ -1,5 +1,6 @@
 """The recipes for real corpora (config/tinystories.yaml, config/fineweb-edu.yaml) load, validate and
-dry-run through the workflow. They are not run here (no network, no GPU)."""
+dry-run through the workflow; they are not run here (no network, no GPU). The Muon recipe
+(config/muon.yaml) is the default with the Muon sweep's best run."""
 
 from __future__ import annotations
 
@@ -51,3 +52,22 @@ def test_recipe_dry_runs_every_stage(tmp_path, name):
     corpus_command = proc.stdout[proc.stdout.index("python -m tinylm corpus") :].splitlines()[0]
     cfg = load_config(tmp_path / "config" / name)
     assert all(pattern in corpus_command for pattern in cfg.corpus.train_files)  # the recipe's corpus
+
+
+def test_the_muon_recipe_is_the_default_with_its_sweeps_winner():
+    """config/muon.yaml holds only what differs from the default, and that is the sweep's best run."""
+    from tinylm.config import from_dict, read_config_file, run_configs
+
+    muon = load_config(ROOT / "config" / "muon.yaml")
+    default = load_config(ROOT / "config" / "config.yaml")
+    assert muon.train.optimizer == "muon" and default.train.optimizer == "adamw"
+    assert dataclasses_equal_but_train(muon, default)
+    best = run_configs(read_config_file(ROOT / "config" / "sweep_muon.yaml"))["r2_emb0.02"]
+    assert best == muon == from_dict(read_config_file(ROOT / "config" / "muon.yaml"))
+    for sweep in ("sweep_muon.yaml", "sweep_default_recipe.yaml"):
+        runs = run_configs(read_config_file(ROOT / "config" / sweep))
+        assert runs["default"] == default and len(runs) > 2
+
+
+def dataclasses_equal_but_train(a, b) -> bool:
+    return all(getattr(a, s) == getattr(b, s) for s in ("corpus", "tokenizer", "encode", "model"))
