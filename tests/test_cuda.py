@@ -4,15 +4,14 @@ Run with the GPU bench as one prepared script: `bash bench/gpu_session.sh`. The 
 same code paths wherever the CPU can run them.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import test_training
 import torch
-from _faults import fault_env
 from _tiny_config import write_tiny_config
 
 from tinylm.state import committed_steps, step_dir
@@ -24,35 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def pretrain(data: dict, config: Path, state: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env = fault_env(env, fault)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tinylm",
-            "pretrain",
-            "--config",
-            str(config),
-            "--tokenizer",
-            str(data["tokenizer"]),
-            "--train-tokens",
-            str(data["train"]),
-            "--valid-tokens",
-            str(data["valid"]),
-            "--state-dir",
-            str(state),
-            "--checkpoint-dir",
-            str(state) + "_ckpt",
-            "--tensorboard-dir",
-            str(state) + "_tb",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
+    return test_training.pretrain(data, config, state, fault, timeout=600)
 
 
 def final(state: Path) -> dict:

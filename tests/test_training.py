@@ -24,35 +24,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pretrain(
-    data: dict, config: Path, state_dir: Path, fault: str | None = None
+    data: dict,
+    config: Path,
+    state_dir: Path,
+    fault: str | None = None,
+    checkpoint_dir: Path | None = None,
+    extra: tuple[str, ...] = (),
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess:
-    env = fault_env(dict(os.environ), fault)
+    """`python -m tinylm pretrain` on `data`, outside torchrun; checkpoints beside the state folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    checkpoint_dir = checkpoint_dir or state_dir.parent / (state_dir.name + "_ckpt")
+    command = [
+        *(sys.executable, "-m", "tinylm", "pretrain", "--config", str(config)),
+        *("--tokenizer", str(data["tokenizer"]), "--train-tokens", str(data["train"])),
+        *("--valid-tokens", str(data["valid"]), "--state-dir", str(state_dir)),
+        *("--checkpoint-dir", str(checkpoint_dir)),
+        *("--tensorboard-dir", str(state_dir.parent / (state_dir.name + "_tb")), *extra),
+    ]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tinylm",
-            "pretrain",
-            "--config",
-            str(config),
-            "--tokenizer",
-            str(data["tokenizer"]),
-            "--train-tokens",
-            str(data["train"]),
-            "--valid-tokens",
-            str(data["valid"]),
-            "--state-dir",
-            str(state_dir),
-            "--checkpoint-dir",
-            str(state_dir.parent / (state_dir.name + "_ckpt")),
-            "--tensorboard-dir",
-            str(state_dir.parent / (state_dir.name + "_tb")),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
+        command, capture_output=True, text=True, env=fault_env(env, fault), cwd=ROOT, timeout=timeout
     )
 
 
@@ -454,31 +445,12 @@ def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, 
     cfg["train"]["log_interval"] = 5
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tinylm",
-            "pretrain",
-            "--config",
-            str(config),
-            "--tokenizer",
-            str(tiny_data["tokenizer"]),
-            "--train-tokens",
-            str(tiny_data["train"]),
-            "--valid-tokens",
-            str(tiny_data["valid"]),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--checkpoint-dir",
-            str(tmp_path / "ckpt"),
-            "--run-name",
-            "wide-2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
+    proc = pretrain(
+        tiny_data,
+        config,
+        tmp_path / "state",
+        checkpoint_dir=tmp_path / "ckpt",
+        extra=("--run-name", "wide-2"),
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
