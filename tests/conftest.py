@@ -4,8 +4,17 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test starts with one torch thread. The tensors here are small: a second OpenMP thread
+    gains little on an idle machine and, when the other core is busy, makes small ops many times
+    slower (its threads spin-wait for each other). Tests that want more threads set them."""
+    torch.set_num_threads(1)
 
 
 WORDS = (

@@ -37,8 +37,11 @@ def tiny_config(cache_dir: Path | None = None) -> dict:
         checkpoint_interval=20,
         timeout_s=60.0,
     )
-    cfg["evaluate"]["batch_size"] = 256
-    cfg["generate"].update(max_new_tokens=24)
+    # One thread per stage, as each pretrain rank has: two threads on a model this small are slower
+    # whenever the other core is busy.
+    cfg["evaluate"].update(batch_size=256, threads=1)
+    cfg["generate"].update(max_new_tokens=24, threads=1)
+    cfg["export"]["threads"] = 1
     return cfg
 
 
