@@ -384,5 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the process with `code`, skipping the interpreter's teardown of torch's modules (about
+    0.5 s at every exit). Every file a stage writes is closed by the time it returns, so only the
+    standard streams need flushing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -266,6 +266,11 @@ def _recording_failure(
             f.write(f"{time.monotonic()!r}\n{traceback.format_exc()}")
         os.replace(os.path.join(failures, f"{index}.tmp"), os.path.join(failures, str(index)))
         raise
+    # Done and out of the process group: exit without the interpreter's teardown of torch (about
+    # a second per rank, which the launcher would wait for).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _first_failure(processes: list, error: Exception, failures: str) -> RankFailedError:
