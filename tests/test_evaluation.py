@@ -363,10 +363,9 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     # The CLI, then the process's own peak resident set (VmHWM: ru_maxrss would count this large
     # pytest process, from which the child was forked).
     script = (
-        f"import runpy, sys; sys.argv = ['tinylm', *{arguments!r}]\n"
-        "try:\n    runpy.run_module('tinylm', run_name='__main__')\n"
-        "finally:\n"
-        "    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)"
+        f"import sys; from tinylm.__main__ import main; code = main({arguments!r})\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)\n"
+        "sys.exit(code)"
     )
 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
