@@ -1,9 +1,10 @@
 """The default run, measured: the README's command on the default config in a fresh folder.
 
-    python bench/default_run.py [--workdir DIR] [--cache-dir DIR] [--set KEY=VALUE ...]
+    python bench/default_run.py [--workdir DIR] [--cache-dir DIR] [--configfile FILE] [--set KEY=VALUE ...]
 
 Runs `snakemake --cores all results/samples.txt results/eval.csv` in a new folder holding a copy of
-config/config.yaml, then prints, as Markdown for bench/RESULTS.md: the wall time of every stage
+config/config.yaml (with `--configfile FILE` passed on, as in `snakemake --cores all --configfile
+config/muon.yaml`), then prints, as Markdown for bench/RESULTS.md: the wall time of every stage
 (Snakemake's benchmark files), the whole run, and the final row of the evaluation table.
 """
 
@@ -28,6 +29,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="run here (default: a new temp folder)")
     parser.add_argument(
         "--cache-dir", default=None, help="corpus.cache_dir to use (url sources: reuse their downloads)"
+    )
+    parser.add_argument(
+        "--configfile", type=Path, default=None, help="a recipe given to snakemake too, e.g. config/muon.yaml"
     )
     parser.add_argument(
         "--set",
@@ -63,6 +67,7 @@ def main() -> None:
             "all",
             "results/samples.txt",
             "results/eval.csv",
+            *(["--configfile", str(args.configfile.resolve())] if args.configfile else []),
         ],
         capture_output=True,
         text=True,
