@@ -62,7 +62,7 @@ def test_the_muon_recipe_is_the_default_with_its_sweeps_winner():
     default = load_config(ROOT / "config" / "config.yaml")
     assert muon.train.optimizer == "muon" and default.train.optimizer == "adamw"
     assert dataclasses_equal_but_train(muon, default)
-    best = run_configs(read_config_file(ROOT / "config" / "sweep_muon.yaml"))["r5_mlr0.03_min0"]
+    best = run_configs(read_config_file(ROOT / "config" / "sweep_muon.yaml"))["r6_x900"]
     assert best == muon == from_dict(read_config_file(ROOT / "config" / "muon.yaml"))
     for sweep in ("sweep_muon.yaml", "sweep_default_recipe.yaml"):
         runs = run_configs(read_config_file(ROOT / "config" / sweep))
