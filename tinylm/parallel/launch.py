@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -267,7 +268,9 @@ def _recording_failure(
         os.replace(os.path.join(failures, f"{index}.tmp"), os.path.join(failures, str(index)))
         raise
     # Done and out of the process group: exit without the interpreter's teardown of torch (about
-    # a second per rank, which the launcher would wait for).
+    # a second per rank, which the launcher would wait for). multiprocessing's own exit handler
+    # still runs: it releases the semaphores that torch.compile's workers made.
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
