@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import multiprocessing.util
 import os
 import shutil
 import socket
@@ -212,3 +213,14 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def exit_now(code: int) -> None:
+    """End this process with `code` without the interpreter's teardown of torch's modules (about
+    half a second per process). For a process whose work is done: every file it wrote is closed,
+    so only the standard streams need flushing; multiprocessing's exit handler still runs (it
+    releases semaphores, such as those torch.compile's workers make)."""
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import multiprocessing.util
 import os
 import shutil
 import signal
@@ -51,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tinylm.io import exit_now
 
 
 @dataclass(frozen=True)
@@ -267,13 +268,7 @@ def _recording_failure(
             f.write(f"{time.monotonic()!r}\n{traceback.format_exc()}")
         os.replace(os.path.join(failures, f"{index}.tmp"), os.path.join(failures, str(index)))
         raise
-    # Done and out of the process group: exit without the interpreter's teardown of torch (about
-    # a second per rank, which the launcher would wait for). multiprocessing's own exit handler
-    # still runs: it releases the semaphores that torch.compile's workers made.
-    multiprocessing.util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # done and out of the process group: the launcher need not wait for the teardown
 
 
 def _first_failure(processes: list, error: Exception, failures: str) -> RankFailedError:
