@@ -54,10 +54,10 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from tinylm import state as state_lib
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.parallel import DDP, ShardedOptimizer, launch
+from tinylm.pretrain import state as state_lib
 
 SMALL = dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344)
 BUCKET_MB = 25.0

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
 from tinylm.config import Config
-from tinylm.evaluation import evaluate_checkpoints
+from tinylm.evaluate import evaluate_checkpoints
 from tinylm.model import Transformer
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish as publish_run
 from tinylm.tokenizer import Tokenizer, encode_corpus, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def publish(folder: Path, steps: list[int], model_config: dict, dtype: str) -> P
         }
         manifest = {"world_size": 1, "config": {"train": {"dtype": dtype}}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=100)
-    published_lib.publish(folder / "state", folder / "checkpoints")
+    publish_run(folder / "state", folder / "checkpoints")
     return folder / "checkpoints"
 
 

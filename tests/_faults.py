@@ -5,7 +5,7 @@ action=raise raises a RuntimeError, exit ends the process with FAULT_EXIT_CODE w
 kill sends it SIGKILL, hang sleeps forever; nan and overflow return their name (the caller poisons
 the step). Rank functions of the launcher tests call it directly.
 
-`install()` patches tinylm.training so that a real run fails where TINYLM_FAULT says: the first
+`install()` patches tinylm.pretrain.loop so that a real run fails where TINYLM_FAULT says: the first
 micro-batch of update S + 1 (0-based step S) on rank R calls `maybe_inject_fault`, and for nan the
 loss of that update's training forwards becomes NaN, for overflow their gradient is multiplied by
 2**100 in backward (finite in float32, an overflow in float16). TINYLM_PARAM_DTYPE=float64 makes
@@ -94,8 +94,8 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 def install() -> None:
-    """Patch tinylm.training as TINYLM_FAULT and TINYLM_PARAM_DTYPE say (nothing if neither is set)."""
-    import tinylm.training as training
+    """Patch tinylm.pretrain.loop as TINYLM_FAULT and TINYLM_PARAM_DTYPE say (nothing if neither is set)."""
+    import tinylm.pretrain.loop as training
 
     if os.environ.get(DTYPE_ENV):
         dtype = getattr(torch, os.environ[DTYPE_ENV])

@@ -1,7 +1,7 @@
 """Rank functions of tests/test_launch.py: what a rank sees, faults, hangs, and a tiny training run.
 
 They live in a module because mp.spawn pickles a function by its module path (see
-tests/_parallel_common.py).
+tests/helpers.py).
 
 Run as a script, `python tests/_launch_ranks.py OUT` trains a tiny model on two ranks and writes its
 final parameters to OUT: under torchrun it is one rank, otherwise it spawns both.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _faults import maybe_inject_fault
-from _parallel_common import global_batch, lm_loss, make_toy, rank_slice, write_result
+from helpers import global_batch, lm_loss, make_toy, rank_slice, write_result
 
 from tinylm.parallel import DDP, ShardedOptimizer, launch
 

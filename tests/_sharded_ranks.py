@@ -1,7 +1,7 @@
 """Rank functions of tests/test_sharded.py: ShardedOptimizer against plain AdamW, and its balance.
 
 They live in a module because mp.spawn pickles a function by its module path (see
-tests/_parallel_common.py).
+tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import io
 
 import torch
 import torch.distributed as dist
-from _parallel_common import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
+from helpers import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
 from torch import nn
 
 from tinylm.parallel import ShardedOptimizer

@@ -2,7 +2,7 @@
 or hung rank while saving. Also the toy training the tests compare against in the test process.
 
 They live in a module because mp.spawn pickles a function by its module path (see
-tests/_parallel_common.py).
+tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _parallel_common import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
+from helpers import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
 
 from tinylm.parallel import ShardedOptimizer
 
@@ -89,7 +89,7 @@ def own_share(model, optimizer, rank):
 
 def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
     """Train `steps` steps with ShardedOptimizer, then save_step; report what each rank wrote."""
-    from tinylm.state import save_step
+    from tinylm.pretrain.state import save_step
 
     model, optimizer = make_trained(range(steps))
     counter = _ByteCounter()
@@ -113,7 +113,7 @@ def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
 
 def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, more: int) -> None:
     """restore_step at this world size, then `more` steps; rank 0 saves the parameters."""
-    from tinylm.state import restore_step
+    from tinylm.pretrain.state import restore_step
 
     model, optimizer = make_trained([], seed=99 + ctx.rank)  # a restore must overwrite all of it
     counter = _ByteCounter()
@@ -136,7 +136,7 @@ def checkpoint_with_a_slow_or_hung_rank(
 
     Afterwards the group must still work (an all-reduce) and the step must restore.
     """
-    from tinylm.state import restore_step, save_step
+    from tinylm.pretrain.state import restore_step, save_step
 
     model, optimizer = make_trained(range(2))
     if ctx.rank == rank_to_slow:

@@ -50,6 +50,6 @@ def tiny_data(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory) -> dict:
     """A tiny model briefly trained on multi-script text, its tokenizer and its published checkpoint."""
-    from _tiny_lm import build_tiny_lm
+    from helpers import build_tiny_lm
 
     return build_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))

@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _checkpoints import manifest_for
-from _tiny_config import write_tiny_config
+from helpers import manifest_for, write_tiny_config
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
 from tinylm.config import load_config, weight_config
 from tinylm.data import load_tokens
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
-from tinylm.training import model_config_of, structural_hash
+from tinylm.pretrain import model_config_of, structural_hash
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +90,7 @@ def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
         }
         manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
         state_lib.commit(folder / "state", step, payload, manifest)
-    published_lib.publish(folder / "state", folder / "ckpt")
+    publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
 
@@ -423,34 +422,33 @@ def test_full_disk_while_writing_a_checkpoint_commits_nothing(tmp_path, tiny_dis
     assert state_lib.committed_steps(tiny_disk) == [2]
 
 
-def test_backend_rules_against_the_cuda_device_count(monkeypatch, capsys):
+def test_backend_rules_against_the_cuda_device_count(monkeypatch):
     from tinylm.parallel.launch import resolve_backend
 
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert resolve_backend("auto", 2) == "gloo" and capsys.readouterr().err == ""  # a CPU machine: silent
+    assert resolve_backend("auto", 2) == ("gloo", None)  # a CPU machine: nothing to say
     with pytest.raises(ValueError, match="'nccl' needs CUDA devices, and none is available"):
         resolve_backend("nccl", 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert resolve_backend("nccl", 2) == "nccl" and resolve_backend("auto", 2) == "nccl"
-    assert resolve_backend("gloo", 8) == "gloo"
+    assert resolve_backend("nccl", 2) == ("nccl", None) and resolve_backend("auto", 2) == ("nccl", None)
+    assert resolve_backend("gloo", 8) == ("gloo", None)
     with pytest.raises(
         ValueError,
         match=r"train\.world_size: 4 ranks on this machine .* need 4 CUDA devices, "
         r"but it has 2 \(set train\.world_size to 2 or fewer",
     ):
         resolve_backend("nccl", 4)
-    capsys.readouterr()
-    assert resolve_backend("auto", 4) == "gloo"  # the default command works anywhere, and says so
-    assert (
+    assert resolve_backend("auto", 4) == (  # the default command works anywhere, and says so
+        "gloo",
         "train.world_size 4 is more ranks than this machine's 2 CUDA devices: training on the CPU with gloo "
-        "(set train.world_size: 2 to use the GPUs)"
-    ) in capsys.readouterr().err
+        "(set train.world_size: 2 to use the GPUs)",
+    )
     # Under torchrun the ranks of this machine count, not the whole world.
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert resolve_backend("nccl", 8) == "nccl"
+    assert resolve_backend("nccl", 8) == ("nccl", None)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="4 ranks on this machine"):
         resolve_backend("nccl", 8)

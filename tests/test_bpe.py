@@ -248,8 +248,8 @@ def test_chunk_boundaries_keep_pretokens_identical(seed, num_chunks, special):
     assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds))
     chunks = [data[a:b].decode("utf-8") for a, b in pairwise(bounds)]  # decodes: on char boundaries
     assert [p for c in chunks for p in pretokenize(c, specials)] == pretokenize(text, specials)
-    if len(data) > 2000:
-        assert len(bounds) > 2  # plenty of safe places in this text: it did split
+    # About a thousand bytes with a safe split every few bytes: (nearly) every chunk asked for exists.
+    assert len(data) > 16 * num_chunks and len(bounds) - 1 >= 0.75 * num_chunks
 
 
 # Special tokens that contain spaces, overlap themselves ("a a" in "a a a") and one another.

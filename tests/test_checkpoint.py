@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from _checkpoints import read_all
+from helpers import assert_same, read_all
 
 from tinylm.checkpoint import CheckpointError, load_checkpoint, read_checkpoint, save_checkpoint
 from tinylm.model import Transformer
@@ -30,22 +30,6 @@ def _trained(steps: int = 3, seed: int = 0):
     return model, optimizer
 
 
-def _assert_nested_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_nested_equal(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_nested_equal(x, y)
-    else:
-        assert a == b
-
-
 def test_round_trip_restores_model_optimizer_and_iteration(tmp_path):
     model, optimizer = _trained()
     path = tmp_path / "ckpt" / "step_3.pt"
@@ -54,8 +38,8 @@ def test_round_trip_restores_model_optimizer_and_iteration(tmp_path):
     fresh_model, fresh_optimizer = _trained(steps=1, seed=1)  # different weights and state
     iteration = load_checkpoint(path, fresh_model, fresh_optimizer)
     assert iteration == 3
-    _assert_nested_equal(fresh_model.state_dict(), model.state_dict())
-    _assert_nested_equal(fresh_optimizer.state_dict(), optimizer.state_dict())
+    assert_same(fresh_model.state_dict(), model.state_dict())
+    assert_same(fresh_optimizer.state_dict(), optimizer.state_dict())
 
 
 def test_checkpoint_is_a_plain_dictionary_loadable_with_weights_only(tmp_path):
@@ -77,7 +61,7 @@ def test_loading_without_an_optimizer(tmp_path):
     save_checkpoint(model, optimizer, 3, path)
     fresh, _ = _trained(steps=0, seed=5)
     assert load_checkpoint(path, fresh) == 3
-    _assert_nested_equal(fresh.state_dict(), model.state_dict())
+    assert_same(fresh.state_dict(), model.state_dict())
 
 
 def test_missing_file_is_named(tmp_path):
@@ -160,7 +144,7 @@ def test_compiled_model_is_saved_under_its_plain_parameter_names(tmp_path):
     assert set(read_checkpoint(path)["model"]) == set(model.state_dict())
     fresh, _ = _trained(steps=0, seed=5)
     load_checkpoint(path, torch.compile(fresh))
-    _assert_nested_equal(fresh.state_dict(), model.state_dict())
+    assert_same(fresh.state_dict(), model.state_dict())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,7 +177,7 @@ def _offsets(layout, payload):
 
 
 def test_a_planned_and_filled_file_is_an_ordinary_torch_save_file(tmp_path, monkeypatch):
-    from tinylm import checkpoint as ckpt
+    from tinylm.checkpoint import pieces as ckpt
 
     monkeypatch.setattr(ckpt, "CHUNK_BYTES", 48)  # several pieces per tensor
     payload = _mixed_payload()
@@ -204,7 +188,7 @@ def test_a_planned_and_filled_file_is_an_ordinary_torch_save_file(tmp_path, monk
     read_all(path, entry)
     for mmap in (False, True):
         loaded = torch.load(path, weights_only=True, mmap=mmap)
-        _assert_nested_equal(loaded, payload)
+        assert_same(loaded, payload)
         assert loaded["model"]["embed"].data_ptr() == loaded["model"]["head"].data_ptr()
     # The manifest's byte ranges cover the file exactly once.
     ranges = sorted([*entry["records"], *entry["other"]])
@@ -214,7 +198,7 @@ def test_a_planned_and_filled_file_is_an_ordinary_torch_save_file(tmp_path, monk
 
 def test_ranks_fill_their_own_tensors_of_one_planned_file(tmp_path):
     """Rank 0 plans with placeholders (meta tensors) for what another rank holds; both write in place."""
-    from tinylm import checkpoint as ckpt
+    from tinylm.checkpoint import pieces as ckpt
 
     payload = _mixed_payload()
     theirs = payload["optimizer"]["state"][0]
@@ -235,11 +219,11 @@ def test_ranks_fill_their_own_tensors_of_one_planned_file(tmp_path):
         layout.entry(ckpt.write_tensors(path, mine))
     hashes = ckpt.write_tensors(path, mine) | ckpt.write_tensors(path, other)
     read_all(path, layout.entry(hashes))
-    _assert_nested_equal(torch.load(path, weights_only=True), payload)
+    assert_same(torch.load(path, weights_only=True), payload)
 
 
 def test_the_reader_reads_and_checks_only_the_tensors_asked_for(tmp_path, monkeypatch):
-    from tinylm import checkpoint as ckpt
+    from tinylm.checkpoint import pieces as ckpt
 
     payload = _mixed_payload()
     path = tmp_path / "r.pt"

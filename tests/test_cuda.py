@@ -10,11 +10,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import test_training
 import torch
-from _tiny_config import write_tiny_config
+from helpers import pretrain as helpers_pretrain
+from helpers import write_tiny_config
 
-from tinylm.state import committed_steps, step_dir
+from tinylm.pretrain.steps import committed_steps, step_dir
 from tinylm.throughput import peak_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def pretrain(data: dict, config: Path, state: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    return test_training.pretrain(data, config, state, fault, timeout=600)
+    return helpers_pretrain(data, config, state, fault, timeout=600)
 
 
 def final(state: Path) -> dict:
@@ -71,8 +71,8 @@ def test_device_count_rules_with_the_real_count():
     from tinylm.parallel.launch import resolve_backend
 
     count = torch.cuda.device_count()
-    assert resolve_backend("auto", count) == "nccl"
-    assert resolve_backend("auto", count + 1) == "gloo"
+    assert resolve_backend("auto", count)[0] == "nccl"
+    assert resolve_backend("auto", count + 1)[0] == "gloo"
     with pytest.raises(ValueError, match=f"need {count + 1} CUDA devices, but it has {count}"):
         resolve_backend("nccl", count + 1)
 
@@ -95,7 +95,7 @@ def test_at_most_one_host_sync_per_step(tiny_data, tmp_path):
         script = textwrap.dedent(f"""
             import warnings, torch
             from tinylm.config import load_config
-            from tinylm.training import train
+            from tinylm.pretrain import train
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -8,7 +8,7 @@ from pathlib import Path
 import _ddp_ranks
 import pytest
 import torch
-from _parallel_common import global_batch, job_results, launch_each, lm_loss, make_toy
+from helpers import global_batch, job_results, launch_each, lm_loss, make_toy
 from torch import nn
 
 from tinylm.parallel import DDP, launch
@@ -20,7 +20,7 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
 
 
 # The rank functions that need no launch of their own run in one launch per world size (see
-# _parallel_common.run_each); each test reads its function's results, or fails with the launch's error.
+# helpers.run_each); each test reads its function's results, or fails with the launch's error.
 BUCKETS = {2: [1e-9, 25.0, 2e-3], 3: [1e-9, 25.0]}  # one parameter per bucket, one bucket, a few
 JOBS = {
     2: [

@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_lm import SPECIALS, mixed_text
+from helpers import SPECIALS, mixed_text
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
-from tinylm.checkpoint import CheckpointError
+from tinylm.checkpoint import CheckpointError, load_model
 from tinylm.export import ExportError, export_hf, interleaved_to_halves
 from tinylm.generating import generate, generate_reference
 from tinylm.model import RotaryEmbedding, Transformer
-from tinylm.published import load_model
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish as publish_run
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +216,7 @@ def publish(folder: Path, payload: dict, step: int = 5) -> Path:
     state_lib.commit(
         folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, {"world_size": 1}
     )
-    published_lib.publish(folder / "state", folder / "ckpt")
+    publish_run(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _tiny_lm import MODEL
+from helpers import MODEL
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
 from tinylm.__main__ import main
 from tinylm.config import load_config, run_hash, weight_config
 from tinylm.locate import config_differences, find_checkpoints
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def test_a_running_run_is_sampled_and_evaluated_from_its_state_folder(workdir, t
     assert f"[evaluate] using step 100 from {published}" in err
 
     # The run finished up to 100 and was published; a resumed run has committed 150 since.
-    published_lib.publish(state_dir, "results/checkpoints")
+    publish(state_dir, "results/checkpoints")
     code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
     assert code == 0 and "[sample] step 100 of results/checkpoints" in err and "using step" not in err
     commit_steps(state_dir, [150], Path("config/config.yaml"), tiny_lm)
@@ -128,7 +128,7 @@ def test_no_checkpoint_anywhere_names_both_folders(workdir, capsys):
 def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, capsys, tmp_path_factory):
     trained_with = write_config(tmp_path_factory.mktemp("other") / "config.yaml")  # seed 0, lr 6e-3
     commit_steps(Path("elsewhere"), [100], trained_with, tiny_lm)
-    published_lib.publish("elsewhere", "results/checkpoints")
+    publish("elsewhere", "results/checkpoints")
     write_config(Path("config/config.yaml"), seed=1, lr_max=0.003)  # then the config was edited
     expected = (
         "was trained with another config than config/config.yaml: train.lr_max: 0.006 in the checkpoint, "
@@ -155,7 +155,7 @@ def test_find_checkpoints_prefers_the_published_folder_unless_the_state_is_newer
     state, published = tmp_path / "state", tmp_path / "ckpt"
     assert find_checkpoints(published, None) == (published, None)
     commit_steps(state, [1, 2], config, tiny_lm)
-    published_lib.publish(state, published)
+    publish(state, published)
     assert find_checkpoints(published, state) == (published, None)
     commit_steps(state, [3], config, tiny_lm)
     folder, note = find_checkpoints(published, state)

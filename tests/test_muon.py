@@ -6,18 +6,20 @@ import copy
 import dataclasses
 import io
 
-import _muon_helpers as helpers
+import _muon_ranks as muon_ranks
 import pytest
 import torch
+from helpers import reference_lr
 
 from tinylm.config import TrainConfig
 from tinylm.model import Transformer
 from tinylm.muon import NS_COEFFICIENTS, Muon, adjusted_lr, newton_schulz
 from tinylm.nn_utils import cross_entropy
-from tinylm.optim import AdamW, build_optimizer, cos_lr_scheduler, param_groups, set_learning_rates
+from tinylm.optim import AdamW, param_groups
 from tinylm.parallel import ShardedOptimizer, launch
+from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
 
-CONFIG = helpers.CONFIG
+CONFIG = muon_ranks.CONFIG
 
 
 def _train(model, optimizers, steps: int, seed: int) -> None:
@@ -55,9 +57,9 @@ def test_muon_matches_torch_muon_and_adamw_for_100_steps(kwargs):
     torch_model = copy.deepcopy(ours_model)
     adamw = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
     theirs_kwargs = {("eps" if k == "ns_eps" else k): v for k, v in kwargs.items()}
-    matrices, others = helpers.split_params(ours_model)
+    matrices, others = muon_ranks.split_params(ours_model)
     ours = Muon([{"params": matrices}, {"params": others, "use_muon": False, **adamw}], **kwargs)
-    torch_matrices, torch_others = helpers.split_params(torch_model)
+    torch_matrices, torch_others = muon_ranks.split_params(torch_model)
     theirs = [torch.optim.Muon(torch_matrices, **theirs_kwargs), torch.optim.AdamW(torch_others, **adamw)]
     _train(ours_model, [ours], steps=100, seed=1)
     _train(torch_model, theirs, steps=100, seed=1)
@@ -177,7 +179,7 @@ def test_newton_schulz_is_torchs_bit_for_bit_and_keeps_zero():
 def test_muon_state_dict_round_trip_continues_identically():
     torch.manual_seed(0)
     model = Transformer(**CONFIG)
-    optimizer = Muon(helpers.muon_groups(model), lr=0.02)
+    optimizer = Muon(muon_ranks.muon_groups(model), lr=0.02)
     _train(model, [optimizer], steps=5, seed=3)
 
     buffer = io.BytesIO()
@@ -186,7 +188,9 @@ def test_muon_state_dict_round_trip_continues_identically():
     saved = torch.load(buffer, weights_only=True)
     resumed_model = Transformer(**CONFIG)
     resumed_model.load_state_dict(saved["model"])
-    resumed = Muon(helpers.muon_groups(resumed_model), lr=0.5, momentum=0.5)  # the state dict restores them
+    resumed = Muon(
+        muon_ranks.muon_groups(resumed_model), lr=0.5, momentum=0.5
+    )  # the state dict restores them
     resumed.load_state_dict(saved["optimizer"])
 
     _train(model, [optimizer], steps=5, seed=4)
@@ -205,7 +209,7 @@ def _train_cfg(**overrides) -> TrainConfig:
     return dataclasses.replace(TrainConfig(), world_size=1, **overrides)
 
 
-def test_build_optimizer_adamw_is_the_original_design():
+def test_build_optimizer_adamw_is_plain_adamw_over_two_groups():
     torch.manual_seed(0)
     model = Transformer(**CONFIG)
     reference = copy.deepcopy(model)
@@ -217,8 +221,8 @@ def test_build_optimizer_adamw_is_the_original_design():
     g = torch.Generator().manual_seed(7)
     for it in range(1, 11):
         lrs = set_learning_rates(optimizer, it, t)
-        lr = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max)
-        assert lrs == {"matrices": lr, "gains": lr}  # exactly: the same float
+        lr = reference_lr(it, t, t.lr_max)
+        assert lrs["matrices"] == lrs["gains"] == pytest.approx(lr, rel=1e-12)
         for group in ref_opt.param_groups:
             group["lr"] = lr
         tokens = torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["context_length"] + 1), generator=g)
@@ -270,13 +274,14 @@ def test_build_optimizer_muon_groups_and_their_schedules():
     assert [groups[n]["weight_decay"] for n in ("embedding", "head", "gains")] == [t.weight_decay] * 2 + [0.0]
     assert groups["embedding"]["betas"] == (t.beta1, t.beta2)
     peaks = {"matrices": 0.05, "embedding": 1e-2, "head": 2e-3, "gains": 1e-2}
-    for it in (1, 3, 10, 20, 25):
-        lrs = set_learning_rates(optimizer, it, t)
-        shape = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max) / t.lr_max
-        for name, peak in peaks.items():
-            assert lrs[name] == pytest.approx(peak * shape, rel=1e-12), (it, name)
-            assert groups[name]["lr"] == lrs[name]
-    assert lrs["gains"] == t.lr_min  # AdamW's groups at lr_max keep the original schedule exactly
+    for schedule in ("cosine", "wsd"):
+        t = dataclasses.replace(t, schedule=schedule)
+        for it in (1, 3, 10, 15, 18, 20, 25):
+            lrs = set_learning_rates(optimizer, it, t)
+            for name, peak in peaks.items():
+                assert lrs[name] == pytest.approx(reference_lr(it, t, peak), rel=1e-12), (schedule, it, name)
+                assert groups[name]["lr"] == lrs[name]
+        assert lrs["gains"] == pytest.approx(t.lr_min, rel=1e-12)
     _train(model, [optimizer], steps=2, seed=0)  # it steps
 
 
@@ -288,8 +293,8 @@ def test_world_of_one_sharded_muon_equals_muon():
     torch.manual_seed(0)
     model = Transformer(**CONFIG)
     reference = copy.deepcopy(model)
-    opt = ShardedOptimizer(helpers.muon_groups(model), Muon, lr=0.02)
-    ref_opt = Muon(helpers.muon_groups(reference), lr=0.02)
+    opt = ShardedOptimizer(muon_ranks.muon_groups(model), Muon, lr=0.02)
+    ref_opt = Muon(muon_ranks.muon_groups(reference), lr=0.02)
     _train(model, [opt], steps=3, seed=2)
     _train(reference, [ref_opt], steps=3, seed=2)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -298,8 +303,8 @@ def test_world_of_one_sharded_muon_equals_muon():
 
 @pytest.mark.slow
 def test_sharded_muon_equals_unsharded_and_consolidates(tmp_path):
-    launch(helpers.sharded_muon_matches_muon, args=(str(tmp_path),), world_size=2, timeout_s=120)
-    results = helpers.read_results(tmp_path, 2)
+    launch(muon_ranks.sharded_muon_matches_muon, args=(str(tmp_path),), world_size=2, timeout_s=120)
+    results = muon_ranks.read_results(tmp_path, 2)
     owned = sorted(i for r in results for i in r["owned"])
     assert owned == list(range(results[0]["num_parameters"]))  # disjoint shares that cover everything
     assert all(r["owned_matrices"] > 0 for r in results)  # both ranks orthogonalise matrices
@@ -310,12 +315,13 @@ def test_sharded_muon_equals_unsharded_and_consolidates(tmp_path):
 # The config keys and the resume check
 
 
-def test_adamw_runs_keep_their_hash_and_muon_keys_count_only_with_muon():
+def test_muon_keys_count_only_with_muon():
     from tinylm.config import ConfigError, from_dict, run_hash, weight_config
 
     base = from_dict({})
-    assert "optimizer" not in weight_config(base)["train"]
-    # Under AdamW the Muon keys change nothing: the same run, the same state folder as before Muon.
+    assert weight_config(base)["train"]["optimizer"] == "adamw"
+    assert not {"muon_lr", "embedding_lr", "head_lr"} & set(weight_config(base)["train"])
+    # Under AdamW the Muon keys change nothing: the same run, the same state folder.
     assert run_hash(from_dict({"train": {"muon_lr": 0.05, "muon_momentum": 0.9}})) == run_hash(base)
     muon = from_dict({"train": {"optimizer": "muon"}})
     assert run_hash(muon) != run_hash(base)
@@ -333,10 +339,9 @@ def test_adamw_runs_keep_their_hash_and_muon_keys_count_only_with_muon():
 
 
 def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
-    from tinylm.checkpoint import CheckpointError
+    from tinylm.checkpoint import FORMAT, CheckpointError
     from tinylm.config import from_dict, weight_config
-    from tinylm.state import FORMAT
-    from tinylm.training import check_resumable
+    from tinylm.pretrain.resume import check_resumable
 
     def manifest(train: dict) -> dict:
         return {"seed": 0, "structural_hash": "abc", "config": weight_config(from_dict({"train": train}))}
@@ -357,5 +362,9 @@ def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
         CheckpointError, match=r"train\.muon_lr differs \(state has 0\.02, this run has 0\.05\)"
     ):
         check_resumable(saved_muon, manifest({"optimizer": "muon", "muon_lr": 0.05}), "s")
-    # An AdamW state holds none of the Muon keys, as one written before Muon existed.
-    assert not {"optimizer", "muon_lr", "embedding_lr"} & set(saved_adamw["config"]["train"])
+    # An AdamW state holds none of the Muon keys; a state without the key is read as its default.
+    assert not {"muon_lr", "embedding_lr"} & set(saved_adamw["config"]["train"])
+    without_optimizer = {**saved_adamw, "config": {"train": {}}}
+    check_resumable(without_optimizer, adamw, "s")
+    with pytest.raises(CheckpointError, match=r"train\.optimizer differs \(state has 'adamw'"):
+        check_resumable(without_optimizer, muon, "s")

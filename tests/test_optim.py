@@ -204,3 +204,41 @@ def test_schedule_without_warmup_starts_at_lr_max():
     assert cos_lr_scheduler(0, 0, 100, 0.1, 1.0) == 1.0
     assert cos_lr_scheduler(5, 5, 5, 0.1, 1.0) == 1.0
     assert cos_lr_scheduler(6, 5, 5, 0.1, 1.0) == 0.1
+
+
+def test_wsd_schedule_is_warmup_then_constant_then_torchs_linear_decay():
+    from tinylm.optim import wsd_lr_scheduler
+
+    warmup, decay, total, lr_min, lr_max = 10, 30, 100, 1e-4, 1e-3
+    lr = [wsd_lr_scheduler(it, warmup, decay, total, lr_min, lr_max) for it in range(120)]
+    assert lr[:warmup] == pytest.approx([lr_max * it / warmup for it in range(warmup)])
+    assert lr[warmup : total - decay + 1] == [lr_max] * (total - decay - warmup + 1)
+    # The decay is torch's LinearLR from lr_max to lr_min over `decay` steps, stepped by hand.
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr_max)
+    scheduler = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=1.0, end_factor=lr_min / lr_max, total_iters=decay
+    )
+    for it in range(total - decay, total + 1):
+        assert lr[it] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12), it
+        optimizer.step()
+        scheduler.step()
+    assert lr[total:] == [lr_min] * (120 - total)
+
+
+def test_the_schedule_keys_are_checked():
+    from tinylm.config import ConfigError, from_dict
+
+    train = from_dict({"train": {"schedule": "wsd", "decay_fraction": 0.25, "max_iters": 200}}).train
+    assert train.decay_iters == 50
+    for values, words in [
+        ({"schedule": "linear"}, "train.schedule: 'linear' is not one of"),
+        ({"decay_fraction": 0.0}, "train.decay_fraction: 0.0 is out of range"),
+        ({"decay_fraction": 1.5}, "train.decay_fraction: 1.5 is out of range"),
+        (
+            {"schedule": "wsd", "decay_fraction": 0.99, "max_iters": 100, "warmup_iters": 10},
+            "train.decay_fraction: 0.99 of 100 steps is a decay of 99 steps, which overlaps",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            from_dict({"train": values})

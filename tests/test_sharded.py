@@ -9,7 +9,7 @@ from pathlib import Path
 import _sharded_ranks
 import pytest
 import torch
-from _parallel_common import assert_params_close, global_batch, job_results, launch_each, lm_loss, make_toy
+from helpers import assert_params_close, global_batch, job_results, launch_each, lm_loss, make_toy
 
 from tinylm.parallel import ShardedOptimizer, launch
 
@@ -19,7 +19,7 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
 
 
 # torch's AdamW with 25 MB buckets (one per owner); ours with 200-byte buckets (several per owner),
-# both in one launch (see _parallel_common.run_each).
+# both in one launch (see helpers.run_each).
 CASES = [("torch", 25.0), ("tinylm", 2e-4)]
 
 

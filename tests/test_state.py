@@ -8,83 +8,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoints import manifest_for, read_checked
+from helpers import IDENTITY, SMALL_MODEL, assert_same, manifest_for, read_checked, small_checkpoint
 
-from tinylm import published as published_lib
-from tinylm import state as state_lib
+from tinylm.checkpoint import CheckpointError
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
-from tinylm.state import (
-    CheckpointError,
-    commit,
-    committed_steps,
-)
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish
+from tinylm.pretrain.state import commit
+from tinylm.pretrain.steps import committed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = dict(vocab_size=40, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
-
-
-def payload(step: int) -> dict:
-    """A real full checkpoint: a small model after `step` AdamW updates, with two ranks' RNG states."""
-    torch.manual_seed(0)
-    model = Transformer(**CONFIG)
-    optimizer = AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(step)
-    for _ in range(step // 10):
-        tokens = torch.randint(0, CONFIG["vocab_size"], (2, 9), generator=g)
-        model(tokens[:, :-1]).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "iteration": step,
-        "tokens_seen": 16 * step,
-        "model_config": CONFIG,
-        "rng": [{"torch": torch.get_rng_state(), "python": [3, [1, 2], None]}, {"torch": torch.zeros(4)}],
-    }
-
-
-MANIFEST = {
-    "world_size": 2,
-    "threads_per_rank": 1,
-    "seed": 0,
-    "structural_hash": "abc",
-    "tokenizer_sha256": "t" * 64,
-    "config": {"train": {"max_iters": 10, "lr_max": 0.1}},
-}
-
-
-def assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_a_folder_without_manifest_does_not_exist_and_the_next_commit_removes_it(tmp_path):
-    commit(tmp_path, 10, payload(10), MANIFEST)
+    commit(tmp_path, 10, small_checkpoint(10), IDENTITY)
     half = tmp_path / "step_0000020"
     half.mkdir()
-    torch.save(payload(20), half / "checkpoint.pt")
+    torch.save(small_checkpoint(20), half / "checkpoint.pt")
     assert committed_steps(tmp_path) == [10]
     with pytest.raises(CheckpointError, match="manifest not found"):
         read_checked(half / "checkpoint.pt")
-    commit(tmp_path, 30, payload(30), MANIFEST)
+    commit(tmp_path, 30, small_checkpoint(30), IDENTITY)
     assert not half.exists()
 
 
 @pytest.mark.parametrize("damage", ["flip tensor", "flip pickle", "truncate"])
 def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
-    commit(tmp_path, 10, payload(10), MANIFEST)
+    commit(tmp_path, 10, small_checkpoint(10), IDENTITY)
     path = tmp_path / "step_0000010" / "checkpoint.pt"
     entry = json.loads((tmp_path / "step_0000010" / "manifest.json").read_text())["files"]["checkpoint.pt"]
     data = bytearray(path.read_bytes())
@@ -100,7 +51,7 @@ def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
         read_checked(path)
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
-        model = Transformer(**CONFIG)
+        model = Transformer(**SMALL_MODEL)
         state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
 
 
@@ -111,10 +62,10 @@ def _one_rank():
 
 
 def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
-    saved = payload(30)
-    commit(tmp_path, 30, saved, MANIFEST)
+    saved = small_checkpoint(30)
+    commit(tmp_path, 30, saved, IDENTITY)
     torch.manual_seed(1)
-    model = Transformer(**CONFIG)
+    model = Transformer(**SMALL_MODEL)
     optimizer = AdamW(model.parameters(), lr=0.5)
     rest = state_lib.restore_step(_one_rank(), tmp_path, model, optimizer)
     assert_same(model.state_dict(), saved["model"])
@@ -126,15 +77,15 @@ def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_step_of_a_cuda_model_is_written_from_and_read_into_the_device(tmp_path):
     """Tensors on the device travel through the host one piece at a time; `step` stays on the CPU."""
-    saved = payload(30)
-    model = Transformer(**CONFIG, device="cuda")
+    saved = small_checkpoint(30)
+    model = Transformer(**SMALL_MODEL, device="cuda")
     model.load_state_dict(saved["model"])
     optimizer = AdamW(model.parameters())
     optimizer.load_state_dict(saved["optimizer"])
     on_device = {**saved, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    commit(tmp_path, 30, on_device, MANIFEST)
+    commit(tmp_path, 30, on_device, IDENTITY)
     assert_same(torch.load(tmp_path / "step_0000030" / "checkpoint.pt", weights_only=True), saved)
-    fresh = Transformer(**CONFIG, device="cuda")
+    fresh = Transformer(**SMALL_MODEL, device="cuda")
     fresh_optimizer = AdamW(fresh.parameters())
     state_lib.restore_step(_one_rank(), tmp_path, fresh, fresh_optimizer)
     assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, saved["model"])
@@ -157,7 +108,7 @@ def _hostile_checkpoint(folder: Path, marker: Path) -> Path:
     folder.mkdir(parents=True)
     path = folder / "checkpoint.pt"
     torch.save({"model": {}, "iteration": 1, "x": _Exploit(marker)}, path)
-    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **MANIFEST, step=1)))
+    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **IDENTITY, step=1)))
     return path
 
 
@@ -168,7 +119,7 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="weights_only"):
         read_checked(path)
-    model = Transformer(**CONFIG)
+    model = Transformer(**SMALL_MODEL)
     with pytest.raises(CheckpointError, match="weights_only"):
         state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
     assert not marker.exists()
@@ -217,11 +168,11 @@ def saved_at_world_two(tmp_path_factory):
 
 def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_its_share(saved_at_world_two):
     import _state_ranks as ranks
-    from _parallel_common import make_toy, param_groups
+    from helpers import make_toy, param_groups
 
     state = saved_at_world_two / "state"
     model, reference = ranks.make_trained(range(3), sharded=False)
-    out = published_lib.publish(state, saved_at_world_two / "checkpoints")
+    out = publish(state, saved_at_world_two / "checkpoints")
     full = torch.load(out[-1], weights_only=True)  # the full checkpoint format, plainly loaded
     assert_same(full["model"], model.state_dict())
     assert_same(full["optimizer"], reference.state_dict())  # both groups, every state tensor, exactly

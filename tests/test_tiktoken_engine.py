@@ -152,7 +152,7 @@ def test_encode_stage_gives_the_reference_ids_at_chunk_edges(merges, tmp_path, m
     # Many small chunks: special tokens and whitespace runs fall at chunk edges.
     import importlib
 
-    module = importlib.import_module("tinylm.tokenizer.encode_corpus")
+    module = importlib.import_module("tinylm.tokenizer.encode")
     monkeypatch.setattr(module, "ENCODE_CHUNK_BYTES", 2_000)
     vocab, merge_list = merges
     text = mixed_text(random.Random(5), 20_000)

@@ -5,7 +5,6 @@ bf16 autocast with torch.compile trains."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,76 +15,19 @@ import pytest
 import torch
 import yaml
 from _faults import fault_env
-from _tiny_config import write_tiny_config
+from helpers import (
+    assert_same,
+    copy_state_up_to,
+    final_payload,
+    logged_losses,
+    pretrain,
+    pretrain_ok,
+    write_tiny_config,
+)
 
-from tinylm.state import committed_steps, step_dir
+from tinylm.pretrain.steps import committed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pretrain(
-    data: dict,
-    config: Path,
-    state_dir: Path,
-    fault: str | None = None,
-    checkpoint_dir: Path | None = None,
-    extra: tuple[str, ...] = (),
-    timeout: float = 300,
-) -> subprocess.CompletedProcess:
-    """`python -m tinylm pretrain` on `data`, outside torchrun; checkpoints beside the state folder."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    checkpoint_dir = checkpoint_dir or state_dir.parent / (state_dir.name + "_ckpt")
-    command = [
-        *(sys.executable, "-m", "tinylm", "pretrain", "--config", str(config)),
-        *("--tokenizer", str(data["tokenizer"]), "--train-tokens", str(data["train"])),
-        *("--valid-tokens", str(data["valid"]), "--state-dir", str(state_dir)),
-        *("--checkpoint-dir", str(checkpoint_dir)),
-        *("--tensorboard-dir", str(state_dir.parent / (state_dir.name + "_tb")), *extra),
-    ]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=fault_env(env, fault), cwd=ROOT, timeout=timeout
-    )
-
-
-def pretrain_ok(data: dict, config: Path, state_dir: Path, fault: str | None = None) -> str:
-    proc = pretrain(data, config, state_dir, fault)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stderr
-
-
-def logged_losses(stderr: str) -> dict[int, str]:
-    """step -> the loss exactly as printed."""
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ loss (\S+)", stderr)}
-
-
-def final_payload(state_dir: Path, step: int | None = None) -> dict:
-    step = committed_steps(state_dir)[-1] if step is None else step
-    payload = torch.load(step_dir(state_dir, step) / "checkpoint.pt", map_location="cpu", weights_only=True)
-    return payload
-
-
-def copy_state_up_to(src: Path, dst: Path, last_step: int) -> Path:
-    """A copy of a state folder as if the run had been stopped right after committing `last_step`."""
-    shutil.copytree(src, dst)
-    for step in committed_steps(dst):
-        if step > last_step:
-            shutil.rmtree(step_dir(dst, step))
-    return dst
-
-
-def assert_same_tensors(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same_tensors(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_tensors(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +79,8 @@ def test_killed_run_resumes_bit_identically(tiny_data, uninterrupted, tmp_path, 
     assert sorted(again) == [9, 10, 11, 12]
     assert all(again[s] == full[s] for s in again)
     a, b = final_payload(uninterrupted["state"]), final_payload(state)
-    assert_same_tensors(a["model"], b["model"], "model")
-    assert_same_tensors(a["optimizer"], b["optimizer"], "optimizer")
+    assert_same(a["model"], b["model"], "model")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
 
 
 @pytest.mark.slow
@@ -273,7 +215,7 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_
     script = textwrap.dedent(f"""
         import torch
         from tinylm.config import load_config
-        from tinylm.training import train
+        from tinylm.pretrain import train
         data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
         for config, state in {configs!r}:
             train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
@@ -369,8 +311,8 @@ def test_float16_overflow_skips_the_update_on_every_rank_and_lowers_the_scale(fl
     )
     before, skipped, after = (final_payload(float16_run["state"], s) for s in (5, 6, 7))
     # Only rank 1 overflowed, yet rank 0 (whose state is saved) skipped too: the decision is global.
-    assert_same_tensors(before["model"], skipped["model"], "model")
-    assert_same_tensors(before["optimizer"]["state"], skipped["optimizer"]["state"], "optimizer")
+    assert_same(before["model"], skipped["model"], "model")
+    assert_same(before["optimizer"]["state"], skipped["optimizer"]["state"], "optimizer")
     assert skipped["grad_scaler"]["scale"] == before["grad_scaler"]["scale"] / 2 == 32768.0
     assert not torch.equal(after["model"]["lm_head.weight"], skipped["model"]["lm_head.weight"])
     # Parameters and optimizer state stay float32 under float16 autocast.
@@ -387,7 +329,7 @@ def test_float16_resume_restores_the_scaler_bit_identically(tiny_data, float16_r
     assert "resuming from step 7" in stderr
     a, b = final_payload(float16_run["state"]), final_payload(state)
     for key in ("model", "optimizer", "grad_scaler"):
-        assert_same_tensors(a[key], b[key], key)
+        assert_same(a[key], b[key], key)
 
 
 @pytest.mark.slow
@@ -558,11 +500,10 @@ def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
 
 
 def test_resume_check_names_the_value_that_differs():
-    from test_state import MANIFEST
+    from helpers import IDENTITY as MANIFEST
 
-    from tinylm.checkpoint import CheckpointError
-    from tinylm.state import FORMAT
-    from tinylm.training import check_resumable
+    from tinylm.checkpoint import FORMAT, CheckpointError
+    from tinylm.pretrain.resume import check_resumable
 
     saved = {**MANIFEST, "format": FORMAT}
     check_resumable(saved, dict(MANIFEST), "s")

@@ -16,10 +16,17 @@ import pytest
 import torch
 import yaml
 from _faults import fault_env
-from _tiny_config import write_tiny_config
-from test_training import assert_same_tensors, final_payload, logged_losses, pretrain, pretrain_ok
+from helpers import (
+    assert_same,
+    final_payload,
+    logged_losses,
+    pretrain,
+    pretrain_ok,
+    reference_lr,
+    write_tiny_config,
+)
 
-from tinylm.state import committed_steps
+from tinylm.pretrain.steps import committed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MUON = {"optimizer": "muon", "muon_lr": 0.02, "muon_weight_decay": 0.01, "embedding_lr": 0.02}
@@ -47,7 +54,7 @@ def test_muon_training_learns_and_checkpoints_its_momentum(muon_run):
     from tinylm.config import load_config
     from tinylm.model import Transformer
     from tinylm.muon import Muon
-    from tinylm.optim import build_optimizer
+    from tinylm.pretrain.optimizer import build_optimizer
 
     groups = payload["optimizer"]["param_groups"]
     assert [g["name"] for g in groups] == GROUPS
@@ -68,7 +75,6 @@ def test_tensorboard_gets_one_learning_rate_per_group(muon_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tinylm.config import load_config
-    from tinylm.optim import cos_lr_scheduler
 
     events = EventAccumulator(str(muon_run["state"].parent / "state_tb"))
     events.Reload()
@@ -80,10 +86,7 @@ def test_tensorboard_gets_one_learning_rate_per_group(muon_run):
         logged = {e.step: e.value for e in events.Scalars(f"lr/{name}")}
         assert sorted(logged) == list(range(1, 13))
         for step, value in logged.items():
-            expected = (
-                cos_lr_scheduler(step, t.warmup_iters, t.cos_cycle, t.lr_min, t.lr_max) * peak / t.lr_max
-            )
-            assert value == pytest.approx(expected, rel=1e-6), (name, step)
+            assert value == pytest.approx(reference_lr(step, t, peak), rel=1e-6), (name, step)
 
 
 @pytest.mark.slow
@@ -98,8 +101,8 @@ def test_killed_muon_run_resumes_bit_identically(tiny_data, muon_run, tmp_path):
     assert sorted(again) == [9, 10, 11, 12]
     assert all(again[s] == full[s] for s in again)
     a, b = final_payload(muon_run["state"]), final_payload(state)
-    assert_same_tensors(a["model"], b["model"], "model")
-    assert_same_tensors(a["optimizer"], b["optimizer"], "optimizer")
+    assert_same(a["model"], b["model"], "model")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
 
 
 @pytest.mark.slow
@@ -138,7 +141,7 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights_with_
     script = textwrap.dedent(f"""
         import torch
         from tinylm.config import load_config
-        from tinylm.training import train
+        from tinylm.pretrain import train
         data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
         for config, state in {configs!r}:
             train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,

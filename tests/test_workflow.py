@@ -293,7 +293,7 @@ def test_export_rule_writes_a_folder_that_transformers_loads(extended_run):
     """`results/hf` is built on request only, from the published checkpoints, by the export rule alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinylm.published import load_model
+    from tinylm.checkpoint import load_model
     from tinylm.tokenizer import Tokenizer
 
     results = extended_run["workdir"] / "results"

@@ -13,11 +13,11 @@ import json
 import os
 import sys
 
-from tinylm.config import Config, ConfigError, from_dict, load_config
+from tinylm.config import RESULTS, Config, ConfigError, from_dict, load_config, run_state_dir
 from tinylm.io import exit_now
 
 DEFAULT_CONFIG = "config/config.yaml"
-R = "results"
+SPLITS = ("train", "valid")
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -36,7 +36,7 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config)
 
 
-def _checkpoints(cfg: Config, a: argparse.Namespace, step: int | None = None) -> tuple[str, int | None]:
+def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None) -> tuple[str, int | None]:
     """(checkpoint folder, the step to read: `step` or the newest) for evaluate, generate, sample and export.
 
     --checkpoint-dir given: that folder. Not given: results/checkpoints, or the state folder of the
@@ -44,47 +44,44 @@ def _checkpoints(cfg: Config, a: argparse.Namespace, step: int | None = None) ->
     stopped; see tinylm/locate.py). Says which when it is not results/checkpoints, and, when the
     checkpoint was trained with other model or train keys than the config's, which keys differ.
     """
-    from tinylm.config import run_hash
+    from tinylm.checkpoint import published_steps
     from tinylm.locate import find_checkpoints, warn_if_other_config
-    from tinylm.published import published_steps
 
-    state_dir = (
-        None if a.checkpoint_dir is not None else (a.state_dir or os.path.join(R, "state", run_hash(cfg)))
-    )
-    folder, note = find_checkpoints(a.checkpoint_dir or f"{R}/checkpoints", state_dir, step)
+    state_dir = None if args.checkpoint_dir is not None else (args.state_dir or run_state_dir(cfg))
+    folder, note = find_checkpoints(args.checkpoint_dir or f"{RESULTS}/checkpoints", state_dir, step)
     if note:
-        print(f"[{a.stage}] {note}", file=sys.stderr, flush=True)
+        print(f"[{args.stage}] {note}", file=sys.stderr, flush=True)
     steps = published_steps(folder)
     if step is None and steps:
         step = steps[-1]
     if step in steps:
-        warn_if_other_config(a.stage, folder, step, cfg, a.weight_sections, a.config_name)
+        warn_if_other_config(args.stage, folder, step, cfg, args.weight_sections, args.config_name)
     return str(folder), step
 
 
-def cmd_corpus(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_corpus(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.corpus import prepare_corpus
 
-    prepare_corpus(cfg.corpus, a.train_out, a.valid_out)
+    prepare_corpus(cfg.corpus, args.train_out, args.valid_out)
 
 
-def cmd_train_tokenizer(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_train_tokenizer(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.tokenizer import train_tokenizer
 
     t = cfg.tokenizer
-    train_tokenizer(a.input, a.output, t.vocab_size, t.special_tokens, num_workers=t.num_workers)
+    train_tokenizer(args.input, args.output, t.vocab_size, t.special_tokens, num_workers=t.num_workers)
 
 
-def cmd_encode(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_encode(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.tokenizer import Tokenizer, encode_corpus
 
-    tokenizer = Tokenizer.load(a.tokenizer)
+    tokenizer = Tokenizer.load(args.tokenizer)
     if len(tokenizer.vocab) != cfg.tokenizer.vocab_size:
         raise ValueError(
-            f"{a.tokenizer}: has {len(tokenizer.vocab)} tokens but tokenizer.vocab_size is "
+            f"{args.tokenizer}: has {len(tokenizer.vocab)} tokens but tokenizer.vocab_size is "
             f"{cfg.tokenizer.vocab_size}; retrain the tokenizer"
         )
-    for src, dst in zip(a.input, a.output, strict=True):
+    for src, dst in zip(args.input, args.output, strict=True):
         encode_corpus(tokenizer, src, dst, num_workers=cfg.encode.num_workers)
 
 
@@ -92,16 +89,16 @@ class Stopped(KeyboardInterrupt):
     """SIGTERM (what `kill`, schedulers and Snakemake send), raised where the main thread is."""
 
 
-def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes."""
     import shlex
     import signal
 
-    from tinylm.config import run_hash
-    from tinylm.state import committed_steps
-    from tinylm.training import train
+    from tinylm.parallel.launch import is_global_rank0
+    from tinylm.pretrain import train
+    from tinylm.pretrain.steps import committed_steps
 
-    state_dir = a.state_dir or os.path.join(R, "state", run_hash(cfg))
+    state_dir = args.state_dir or run_state_dir(cfg)
 
     def on_sigterm(signum, frame):
         raise Stopped()
@@ -110,19 +107,19 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
     try:
         train(
             cfg,
-            a.tokenizer,
-            a.train_tokens,
-            a.valid_tokens,
+            args.tokenizer,
+            args.train_tokens,
+            args.valid_tokens,
             state_dir,
-            a.checkpoint_dir,
-            a.tensorboard_dir,
-            run_name=a.run_name,
+            args.checkpoint_dir,
+            args.tensorboard_dir,
+            run_name=args.run_name,
         )
     except (KeyboardInterrupt, SystemExit) as e:
         # The launcher turns SIGTERM into SystemExit(128 + SIGTERM) while it waits for the ranks.
         if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if is_global_rank0():
             how = "SIGINT (Ctrl-C)" if type(e) is KeyboardInterrupt else "SIGTERM"
             steps = committed_steps(state_dir)
             last = (
@@ -130,7 +127,7 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
             )
             print(
                 f"tinylm pretrain: stopped by {how}; {last}. Resume with:\n  "
-                f"python -m tinylm {shlex.join(sys.argv[1:] if a.argv is None else a.argv)}",
+                f"python -m tinylm {shlex.join(sys.argv[1:] if args.argv is None else args.argv)}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -141,37 +138,37 @@ def cmd_pretrain(cfg: Config, a: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def cmd_evaluate(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
-    from tinylm.evaluation import evaluate_checkpoints, notes_path_for, write_eval
+    from tinylm.evaluate import evaluate_checkpoints, notes_path_for, write_eval
     from tinylm.tokenizer import Tokenizer
 
     e = cfg.evaluate
     torch.set_num_threads(e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    checkpoint_dir, _ = _checkpoints(cfg, a)
+    checkpoint_dir, _ = _checkpoints(cfg, args)
     table = evaluate_checkpoints(
         checkpoint_dir,
-        a.valid_tokens,
-        Tokenizer.load(a.tokenizer),
+        args.valid_tokens,
+        Tokenizer.load(args.tokenizer),
         e.batch_size,
         device,
         e.max_tokens,
-        a.cache_dir,
+        args.cache_dir,
         progress=sys.stderr.isatty(),
     )
-    write_eval(table, a.output, a.plot, a.notes or notes_path_for(a.output))
+    write_eval(table, args.output, args.plot, args.notes or notes_path_for(args.output))
 
 
-def cmd_generate(cfg: Config, a: argparse.Namespace) -> None:
-    from tinylm.generating import write_samples
+def cmd_generate(cfg: Config, args: argparse.Namespace) -> None:
+    from tinylm.generate import write_samples
 
-    checkpoint_dir, step = _checkpoints(cfg, a)
-    write_samples(cfg.generate, checkpoint_dir, a.tokenizer, a.output, eval_path=a.eval)
+    checkpoint_dir, step = _checkpoints(cfg, args)
+    write_samples(cfg.generate, checkpoint_dir, args.tokenizer, args.output, eval_path=args.eval)
     print(
         f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} "
-        f"written to {a.output}",
+        f"written to {args.output}",
         file=sys.stderr,
     )
 
@@ -185,12 +182,12 @@ SAMPLE_OPTIONS = {
 }
 
 
-def cmd_sample(cfg: Config, a: argparse.Namespace) -> None:
-    from tinylm.generating import sample
+def cmd_sample(cfg: Config, args: argparse.Namespace) -> None:
+    from tinylm.generate import sample
 
     raw = cfg.to_dict()
     for key in SAMPLE_OPTIONS:
-        value = getattr(a, key)
+        value = getattr(args, key)
         if value is not None:
             raw["generate"][key] = value
     try:
@@ -198,43 +195,43 @@ def cmd_sample(cfg: Config, a: argparse.Namespace) -> None:
     except ConfigError as e:  # name the option, not the config key it overrides
         key = str(e).split(":", 1)[0].removeprefix("generate.")
         raise ConfigError(f"{SAMPLE_OPTIONS.get(key, key)}: {str(e).split(': ', 1)[1]}") from None
-    if not a.prompt:
+    if not args.prompt:
         raise ValueError("--prompt: the prompt is empty; give the text to continue")
-    checkpoint_dir, step = _checkpoints(cfg, a, a.step)
+    checkpoint_dir, step = _checkpoints(cfg, args, args.step)
     if step is not None:
         print(f"[sample] step {step} of {checkpoint_dir}", file=sys.stderr, flush=True)
-    sample(gen, checkpoint_dir, a.tokenizer, a.prompt, sys.stdout, step)
+    sample(gen, checkpoint_dir, args.tokenizer, args.prompt, sys.stdout, step)
     sys.stdout.write("\n")
 
 
-def cmd_export(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
     from tinylm.export import export_hf
 
     torch.set_num_threads(cfg.export.threads)
-    checkpoint_dir, step = _checkpoints(cfg, a, cfg.export.step)
-    export_hf(checkpoint_dir, a.tokenizer, a.output, step, cfg.export.dtype)
-    print(f"[export] step {step} of {checkpoint_dir} exported to {a.output}", file=sys.stderr)
+    checkpoint_dir, step = _checkpoints(cfg, args, cfg.export.step)
+    export_hf(checkpoint_dir, args.tokenizer, args.output, step, cfg.export.dtype)
+    print(f"[export] step {step} of {checkpoint_dir} exported to {args.output}", file=sys.stderr)
 
 
-def cmd_compare(cfg: Config, a: argparse.Namespace) -> None:
+def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
 
     try:
-        runs = json.loads(a.runs_json)
+        runs = json.loads(args.runs_json)
     except json.JSONDecodeError as e:
         raise ValueError(f"--runs-json: not valid JSON: {e}") from None
     table = compare_runs(runs)
-    write_compare(table, a.output, a.plot)
+    write_compare(table, args.output, args.plot)
     print(markdown_table(final_figures(table)), file=sys.stderr)
 
 
-def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
+def cmd_config_docs(cfg: Config | None, args: argparse.Namespace) -> None:
     from tinylm.config import docs as config_docs
 
-    if a.check:
-        drifted = config_docs.drift(a.root)
+    if args.check:
+        drifted = config_docs.drift(args.root)
         if drifted:
             raise ValueError(
                 f"{', '.join(drifted)}: not what tinylm/config/ generates; run `python -m tinylm config-docs`"
@@ -244,23 +241,24 @@ def cmd_config_docs(cfg: Config | None, a: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         return
-    written = config_docs.write(a.root)
+    written = config_docs.write(args.root)
     print(f"[config-docs] rewrote: {', '.join(written) or 'nothing (already up to date)'}", file=sys.stderr)
 
 
 def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """--tokenizer, --checkpoint-dir and --state-dir: what evaluate, generate, sample and export read."""
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
     p.add_argument(
         "--checkpoint-dir",
         default=None,
-        help=f"published checkpoints (default: {R}/checkpoints, or {R}/state/<run hash>/published when "
-        "the run the config describes has newer committed steps there: it trains or was stopped)",
+        help=f"published checkpoints (default: {RESULTS}/checkpoints, or "
+        f"{RESULTS}/state/<run hash>/published when the run the config describes has newer committed "
+        "steps there: it trains or was stopped)",
     )
     p.add_argument(
         "--state-dir",
         default=None,
-        help=f"the run's resume state folder (default {R}/state/<hash of the run's config>)",
+        help=f"the run's resume state folder (default {RESULTS}/state/<hash of the run's config>)",
     )
 
 
@@ -281,36 +279,36 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = stage("corpus", cmd_corpus, "raw text -> train.txt and valid.txt")
-    p.add_argument("--train-out", default=f"{R}/corpus/train.txt")
-    p.add_argument("--valid-out", default=f"{R}/corpus/valid.txt")
+    p.add_argument("--train-out", default=f"{RESULTS}/corpus/train.txt")
+    p.add_argument("--valid-out", default=f"{RESULTS}/corpus/valid.txt")
 
     p = stage("train-tokenizer", cmd_train_tokenizer, "train.txt -> byte-level BPE tokenizer.json")
-    p.add_argument("--input", default=f"{R}/corpus/train.txt")
-    p.add_argument("--output", default=f"{R}/tokenizer/tokenizer.json")
+    p.add_argument("--input", default=f"{RESULTS}/corpus/train.txt")
+    p.add_argument("--output", default=f"{RESULTS}/tokenizer/tokenizer.json")
 
     p = stage("encode", cmd_encode, "text files -> uint16 .npy token files")
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--input", nargs="+", default=[f"{R}/corpus/train.txt", f"{R}/corpus/valid.txt"])
-    p.add_argument("--output", nargs="+", default=[f"{R}/tokens/train.npy", f"{R}/tokens/valid.npy"])
+    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--input", nargs="+", default=[f"{RESULTS}/corpus/{split}.txt" for split in SPLITS])
+    p.add_argument("--output", nargs="+", default=[f"{RESULTS}/tokens/{split}.npy" for split in SPLITS])
 
     p = stage("pretrain", cmd_pretrain, "token files -> checkpoints (resumes a killed run)")
-    p.add_argument("--tokenizer", default=f"{R}/tokenizer/tokenizer.json")
-    p.add_argument("--train-tokens", default=f"{R}/tokens/train.npy")
-    p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
+    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--train-tokens", default=f"{RESULTS}/tokens/train.npy")
+    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
     p.add_argument(
         "--state-dir",
         default=None,
-        help=f"resume state folder (default {R}/state/<hash of the run's config>)",
+        help=f"resume state folder (default {RESULTS}/state/<hash of the run's config>)",
     )
-    p.add_argument("--checkpoint-dir", default=f"{R}/checkpoints")
-    p.add_argument("--tensorboard-dir", default=f"{R}/tensorboard")
+    p.add_argument("--checkpoint-dir", default=f"{RESULTS}/checkpoints")
+    p.add_argument("--tensorboard-dir", default=f"{RESULTS}/tensorboard")
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
     checkpoint_arguments(p)
-    p.add_argument("--valid-tokens", default=f"{R}/tokens/valid.npy")
-    p.add_argument("--output", default=f"{R}/eval.csv")
-    p.add_argument("--plot", default=f"{R}/eval.png")
+    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
+    p.add_argument("--output", default=f"{RESULTS}/eval.csv")
+    p.add_argument("--plot", default=f"{RESULTS}/eval.png")
     p.add_argument(
         "--notes",
         default=None,
@@ -318,14 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cache-dir",
-        default=f"{R}/eval_cache",
+        default=f"{RESULTS}/eval_cache",
         help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)",
     )
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     checkpoint_arguments(p)
     p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
-    p.add_argument("--output", default=f"{R}/samples.txt")
+    p.add_argument("--output", default=f"{RESULTS}/samples.txt")
 
     p = stage("sample", cmd_sample, "stream the completion of --prompt from a checkpoint to stdout")
     p.add_argument("--prompt", required=True, help="the text to continue")
@@ -340,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)"
     )
     checkpoint_arguments(p)
-    p.add_argument("--output", default=f"{R}/hf")
+    p.add_argument("--output", default=f"{RESULTS}/hf")
 
     p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
     p.add_argument(
@@ -349,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides", "values"}, ...] '
         "(values: each run's value of every key that some run overrides)",
     )
-    p.add_argument("--output", default=f"{R}/compare.csv")
-    p.add_argument("--plot", default=f"{R}/compare.png")
+    p.add_argument("--output", default=f"{RESULTS}/compare.csv")
+    p.add_argument("--plot", default=f"{RESULTS}/compare.png")
 
     about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
     p = sub.add_parser("config-docs", help=about, description=about)

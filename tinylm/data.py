@@ -100,11 +100,16 @@ def global_batch_starts(seed: int, step: int, batch_size: int, num_starts: int) 
     return torch.randint(0, num_starts, (batch_size,), generator=batch_generator(seed, step))
 
 
+def micro_batch_size(batch_size: int, world_size: int, grad_accum_steps: int) -> int:
+    """Sequences per micro-batch: the global batch cut into world_size * grad_accum_steps slices."""
+    return batch_size // (world_size * grad_accum_steps)
+
+
 def micro_batch_starts(
     starts: torch.Tensor, rank: int, micro_step: int, world_size: int, grad_accum_steps: int
 ) -> torch.Tensor:
     """Rank `rank`'s micro-batch `micro_step` of the global batch `starts`."""
-    micro = len(starts) // (world_size * grad_accum_steps)
+    micro = micro_batch_size(len(starts), world_size, grad_accum_steps)
     index = rank * grad_accum_steps + micro_step
     return starts[index * micro : (index + 1) * micro]
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from tinylm.corpus.format import END_OF_TEXT
+from tinylm.checkpoint import load_model
+from tinylm.config import END_OF_TEXT
 from tinylm.io import atomic_dir
 from tinylm.model import Transformer
-from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 from tinylm.tokenizer.files import bytes_to_text
 

@@ -3,7 +3,7 @@
 A run publishes its checkpoints into its checkpoint folder (results/checkpoints) only when it
 finishes, because that folder is a declared Snakemake output (Snakemake deletes the outputs of a
 failed job). Every committed step is also published, at once, inside the run's state folder
-(`<state dir>/published`, see tinylm/state.py), which is outside Snakemake's outputs. So while a
+(`<state dir>/published`, see tinylm/pretrain/publish.py), which is outside Snakemake's outputs. So while a
 run trains, or after it was stopped, `sample`, `evaluate` and `export` find its newest committed
 step there: `find_checkpoints` picks, of the two folders, the one whose newest step is newer, and
 says so. The state folder is the one the config describes (results/state/<run hash>), so the user
@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinylm.config import Config, weight_config
-from tinylm.published import published_manifest, published_steps
+from tinylm.checkpoint import published_manifest, published_steps
+from tinylm.checkpoint.published import PUBLISHED_DIR
+from tinylm.config import Config, default_weight_config, weight_config
 
 
 def find_checkpoints(
@@ -38,7 +39,7 @@ def find_checkpoints(
     checkpoint_dir = Path(checkpoint_dir)
     if state_dir is None:
         return checkpoint_dir, None
-    state_published = Path(state_dir) / "published"
+    state_published = Path(state_dir) / PUBLISHED_DIR
     published, committed = published_steps(checkpoint_dir), published_steps(state_published)
     if not published and not committed:
         return checkpoint_dir, (
@@ -72,18 +73,19 @@ def config_differences(
     saved = manifest.get("config")
     if not isinstance(saved, dict):
         return []
-    current = weight_config(cfg)
+    current, defaults = weight_config(cfg), default_weight_config()
     out = []
     for section in sections:
         ours, theirs = current.get(section, {}), saved.get(section)
         if not isinstance(theirs, dict):
             continue
         for key in sorted(ours.keys() | theirs.keys()):
-            if ours.get(key) != theirs.get(key):
-                out.append(
-                    f"{section}.{key}: {theirs.get(key, 'absent')!r} in the checkpoint, "
-                    f"{ours.get(key, 'absent')!r} in the config"
-                )
+            # A key one side leaves out is at its default there (a key it did not have, or one that
+            # does not apply, see tinylm/config/keys.py).
+            default = defaults.get(section, {}).get(key, "absent")
+            saved_value, value = theirs.get(key, default), ours.get(key, default)
+            if saved_value != value:
+                out.append(f"{section}.{key}: {saved_value!r} in the checkpoint, {value!r} in the config")
     return out
 
 
@@ -97,8 +99,8 @@ def warn_if_other_config(
 ) -> list[str]:
     """Print one line `[stage] <step_N.pt> was trained with another config than <config_name>: ...` when
     the recorded config of published checkpoint `step` differs from `cfg` in `sections`; returns the
-    differences. Nothing is compared when `sections` is empty (the stage was given no model or train
-    section, as under Snakemake before this check existed)."""
+    differences. Nothing is compared when `sections` is empty (the stage was given a config without
+    a model or train section, so nothing to compare with)."""
     if not sections:
         return []
     differences = config_differences(published_manifest(checkpoint_dir, step), cfg, sections)

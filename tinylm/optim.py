@@ -1,4 +1,4 @@
-"""The AdamW optimizer and the cosine learning-rate schedule with linear warmup."""
+"""The AdamW optimizer, and the learning-rate schedules (cosine or warmup-stable-decay after a warmup)."""
 
 from __future__ import annotations
 
@@ -132,92 +132,20 @@ def cos_lr_scheduler(it: int, warmup_iters: int, cos_cycle_iters: int, lr_min: f
     return lr_min + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr_max - lr_min)
 
 
-def build_optimizer(model: torch.nn.Module, train_cfg, world_size: int) -> torch.optim.Optimizer:
-    """The optimizer of `train_cfg.optimizer` over `model`'s trainable parameters (a TrainConfig).
+def wsd_lr_scheduler(
+    it: int, warmup_iters: int, decay_iters: int, total_iters: int, lr_min: float, lr_max: float
+) -> float:
+    """Learning rate at iteration `it` of warmup-stable-decay (Hägele et al. 2024):
 
-    - "adamw": `AdamW`, groups "matrices" (every parameter of >= 2 dims, weight_decay) and "gains"
-      (the 1-D ones, no decay), both at lr_max: the original design's optimizer.
-    - "muon": `tinylm.muon.Muon`, groups "matrices" (Muon: the 2-D weights of the Transformer
-      blocks, muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr), and AdamW
-      for "embedding" (the token embedding, embedding_lr or lr_max, weight_decay), "head" (the output
-      head, head_lr or lr_max, weight_decay) and "gains" (every 1-D parameter, lr_max, no decay).
-
-    Every group carries its "name" and "peak_lr" (the top of its schedule, see `set_learning_rates`).
-    With world_size > 1 and shard_optimizer, a ShardedOptimizer runs it on each rank's share (whole
-    parameters, so each owner orthogonalises whole matrices).
+    - it < warmup_iters: linear warmup from 0, lr_max * it / warmup_iters;
+    - warmup_iters <= it <= total_iters - decay_iters: lr_max;
+    - then linear from lr_max down to lr_min, reached at it = total_iters and kept after.
     """
-    from tinylm.muon import Muon  # tinylm.muon builds on this module's AdamW step
-
-    t = train_cfg
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    adamw = dict(betas=(t.beta1, t.beta2), eps=t.eps)
-    if t.optimizer == "adamw":
-        groups = [
-            {**group, "name": name, "peak_lr": t.lr_max}
-            for group, name in zip(param_groups(model, t.weight_decay), ("matrices", "gains"), strict=True)
-        ]
-        optimizer_cls, kwargs = AdamW, dict(lr=t.lr_max, **adamw)
-    elif t.optimizer == "muon":
-        embedding, head = model.token_embeddings.weight, model.lm_head.weight
-        block_matrices = [p for name, p in named if name.startswith("layers.") and p.dim() == 2]
-        vectors = [p for _, p in named if p.dim() < 2]
-        groups = [
-            {
-                "name": "matrices",
-                "params": block_matrices,
-                "use_muon": True,
-                "peak_lr": t.muon_lr,
-                "momentum": t.muon_momentum,
-                "weight_decay": t.muon_weight_decay,
-                "ns_steps": t.muon_ns_steps,
-                "adjust_lr_fn": t.muon_adjust_lr,
-            },
-            {
-                "name": "embedding",
-                "params": [embedding],
-                "use_muon": False,
-                "weight_decay": t.weight_decay,
-                "peak_lr": t.lr_max if t.embedding_lr is None else t.embedding_lr,
-            },
-            {
-                "name": "head",
-                "params": [head],
-                "use_muon": False,
-                "weight_decay": t.weight_decay,
-                "peak_lr": t.lr_max if t.head_lr is None else t.head_lr,
-            },
-            {"name": "gains", "params": vectors, "use_muon": False, "weight_decay": 0.0, "peak_lr": t.lr_max},
-        ]
-        grouped = [id(p) for group in groups for p in group["params"]]
-        if sorted(grouped) != sorted(id(p) for _, p in named) or len(set(grouped)) != len(grouped):
-            raise ValueError(
-                "build_optimizer: the Muon groups must hold every trainable parameter exactly once"
-            )
-        optimizer_cls, kwargs = Muon, dict(lr=t.lr_max, **adamw)
-    else:
-        raise ValueError(f"train.optimizer: {t.optimizer!r} is not one of ['adamw', 'muon']")
-    for group in groups:
-        group["lr"] = group["peak_lr"]
-    if world_size > 1 and t.shard_optimizer:
-        from tinylm.parallel import ShardedOptimizer
-
-        return ShardedOptimizer(groups, optimizer_cls, bucket_size_mb=t.bucket_size_mb, **kwargs)
-    return optimizer_cls(groups, **kwargs)
-
-
-def set_learning_rates(optimizer: torch.optim.Optimizer, it: int, train_cfg) -> dict[str, float]:
-    """Write the learning rate of update `it` (1-based) into every param group; returns {group name: lr}.
-
-    Every group follows the same warmup and cosine (train_cfg's warmup_iters, cos_cycle), scaled to
-    its own "peak_lr" (lr_max where a group has none): from 0 up to peak_lr, then down to
-    peak_lr * lr_min / lr_max. A group at peak_lr == lr_max gets exactly cos_lr_scheduler(it, ...,
-    lr_min, lr_max), the original design's schedule, bit for bit. Groups without a "name" are
-    reported as "group<i>".
-    """
-    t = train_cfg
-    lrs = {}
-    for i, group in enumerate(optimizer.param_groups):
-        peak = group.get("peak_lr", t.lr_max)
-        group["lr"] = cos_lr_scheduler(it, t.warmup_iters, t.cos_cycle, t.lr_min * (peak / t.lr_max), peak)
-        lrs[group.get("name", f"group{i}")] = group["lr"]
-    return lrs
+    if it < warmup_iters:
+        return lr_max * it / warmup_iters
+    decay_start = total_iters - decay_iters
+    if it <= decay_start:
+        return lr_max
+    if it >= total_iters:
+        return lr_min
+    return lr_max + (lr_min - lr_max) * (it - decay_start) / decay_iters

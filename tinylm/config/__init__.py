@@ -13,6 +13,7 @@ comments and config/README.md's tables are generated from these dataclasses by
 
 from tinylm.config.keys import (
     DEFAULT_VALID_PLAYS,
+    END_OF_TEXT,
     UINT16_VOCAB_LIMIT,
     URL_WITH_SHA256,
     ConfigError,
@@ -22,7 +23,7 @@ from tinylm.config.loading import from_dict, read_config_file, validate
 from tinylm.config.runs import (
     DEFAULT_RUN,
     EXECUTION_TRAIN_KEYS,
-    OPTIMIZER_CHOICE_KEYS,
+    RESULTS,
     RUN_NAME,
     config_hash,
     data_hash,
@@ -31,6 +32,7 @@ from tinylm.config.runs import (
     run_configs,
     run_hash,
     run_overrides,
+    run_state_dir,
     weight_config,
 )
 from tinylm.config.sections import (
@@ -48,8 +50,9 @@ from tinylm.config.train import TrainConfig
 __all__ = [
     "DEFAULT_RUN",
     "DEFAULT_VALID_PLAYS",
+    "END_OF_TEXT",
     "EXECUTION_TRAIN_KEYS",
-    "OPTIMIZER_CHOICE_KEYS",
+    "RESULTS",
     "RUN_NAME",
     "UINT16_VOCAB_LIMIT",
     "URL_WITH_SHA256",
@@ -73,6 +76,7 @@ __all__ = [
     "run_configs",
     "run_hash",
     "run_overrides",
+    "run_state_dir",
     "validate",
     "weight_config",
 ]

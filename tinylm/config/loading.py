@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from tinylm.config.keys import UINT16_VOCAB_LIMIT, URL_WITH_SHA256, ConfigError
+from tinylm.config.keys import END_OF_TEXT, UINT16_VOCAB_LIMIT, URL_WITH_SHA256, ConfigError
 from tinylm.config.sections import Config
 
 
@@ -132,8 +132,8 @@ def validate(cfg: Config) -> None:
             f"tokenizer.vocab_size: {tok.vocab_size} does not fit the uint16 token files "
             f"(at most {UINT16_VOCAB_LIMIT} ids)"
         )
-    if "<|endoftext|>" not in specials:
-        raise ConfigError("tokenizer.special_tokens: must contain '<|endoftext|>' (it separates documents)")
+    if END_OF_TEXT not in specials:
+        raise ConfigError(f"tokenizer.special_tokens: must contain {END_OF_TEXT!r} (it separates documents)")
     if model.d_model % model.num_heads:
         raise ConfigError(
             f"model.num_heads: {model.num_heads} does not divide model.d_model = {model.d_model}"
@@ -156,6 +156,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.warmup_iters: {train.warmup_iters} is longer than the cosine cycle "
             f"(train.cos_cycle_iters = {train.cos_cycle})"
+        )
+    if train.schedule == "wsd" and train.warmup_iters + train.decay_iters > train.max_iters:
+        raise ConfigError(
+            f"train.decay_fraction: {train.decay_fraction} of {train.max_iters} steps is a decay of "
+            f"{train.decay_iters} steps, which overlaps the {train.warmup_iters} warmup steps "
+            f"(train.warmup_iters); lower one of them"
         )
     if train.optimizer == "muon" and train.muon_momentum >= 1.0:
         raise ConfigError(f"train.muon_momentum: {train.muon_momentum} must be below 1")

@@ -16,6 +16,7 @@ from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
 
 DEFAULT_RUN = "default"
+RESULTS = "results"  # where the workflow and the stages put their artifacts, relative to the project
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -91,62 +92,47 @@ def config_hash(*sections: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _keys_with(section_cls: type, role: str) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(section_cls) if f.metadata.get(role))
+
+
 # Train keys that decide how a run is executed, logged, kept or waited for, never which updates it
-# makes: the global batch of every step is the same at any world size or accumulation (see
-# tinylm/training.py), so a run may be resumed with other values of these. Changing world_size,
-# grad_accum_steps, threads_per_rank, backend, compile or deterministic changes the weights within
-# float tolerance only; the rest not at all.
-EXECUTION_TRAIN_KEYS = frozenset(
-    {
-        "world_size",
-        "grad_accum_steps",
-        "threads_per_rank",
-        "backend",
-        "compile",
-        "deterministic",
-        "bucket_size_mb",
-        "shard_optimizer",
-        "peak_flops",
-        "log_interval",
-        "val_interval",
-        "val_batches",
-        "timeout_s",
-        "keep_checkpoints",
-    }
-)
-
-
-# Train keys of the optimizer choice. With `optimizer: adamw` (the original design's optimizer) they
-# change nothing and stay out of the weight config, so every AdamW run keeps the run hash and the
-# resume state it had before Muon was added; a state without them was written by AdamW.
-OPTIMIZER_CHOICE_KEYS = frozenset(
-    {
-        "optimizer",
-        "muon_lr",
-        "muon_momentum",
-        "muon_weight_decay",
-        "muon_ns_steps",
-        "muon_adjust_lr",
-        "embedding_lr",
-        "head_lr",
-    }
-)
+# makes (declared with `execution=True` beside each key, tinylm/config/train.py): a run may be
+# resumed with other values of these.
+EXECUTION_TRAIN_KEYS = _keys_with(TrainConfig, "execution")
 
 
 def weight_config(cfg: Config) -> dict[str, Any]:
-    """The model and train keys that decide the trained weights (the train section without execution keys).
+    """The model and train keys that decide the trained weights: every key of the two sections but
+    the execution keys and the keys whose `applies_if` condition does not hold (tinylm/config/keys.py)."""
+    return {name: _deciding(getattr(cfg, name)) for name in ("model", "train")}
 
-    At `train.optimizer: adamw` the keys of OPTIMIZER_CHOICE_KEYS are left out too (see there).
-    """
-    left_out = EXECUTION_TRAIN_KEYS | (OPTIMIZER_CHOICE_KEYS if cfg.train.optimizer == "adamw" else set())
-    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in left_out}
-    return {"model": dataclasses.asdict(cfg.model), "train": train}
+
+def _deciding(section: Any) -> dict[str, Any]:
+    values = dataclasses.asdict(section)
+    deciding = {}
+    for f in dataclasses.fields(section):
+        condition = f.metadata.get("applies_if")
+        if f.metadata.get("execution") or (condition and values[condition[0]] != condition[1]):
+            continue
+        deciding[f.name] = values[f.name]
+    return deciding
 
 
 def default_weight_config() -> dict[str, dict[str, Any]]:
     """Every key a weight config may hold, at its default: what one that leaves a key out means by it."""
     train = {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k not in EXECUTION_TRAIN_KEYS}
     return {"model": dataclasses.asdict(ModelConfig()), "train": train}
+
+
+def run_state_dir(cfg: Config, run_dir: str = "") -> str:
+    """The resume state folder of the run `cfg`: results/<run_dir>state/<run hash>.
+
+    Outside the workflow's declared outputs (Snakemake deletes those before a job runs and after it
+    fails), so a killed run rerun resumes from there. `run_dir` is "" for the main config and
+    "runs/<name>/" for a named run.
+    """
+    return f"{RESULTS}/{run_dir}state/{run_hash(cfg)}"
 
 
 def run_hash(cfg: Config) -> str:

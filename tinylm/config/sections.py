@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinylm.config.keys import DEFAULT_VALID_PLAYS, key
+from tinylm.config.keys import DEFAULT_VALID_PLAYS, END_OF_TEXT, key
 from tinylm.config.train import TrainConfig
 
 
@@ -90,7 +90,7 @@ class TokenizerConfig:
         more="(token files are uint16)",
     )
     special_tokens: list[str] = key(
-        factory=lambda: ["<|endoftext|>"],
+        factory=lambda: [END_OF_TEXT],
         help="never split, never merged; must contain `<|endoftext|>`",
         more="(it separates documents)",
     )

@@ -23,6 +23,7 @@ class TrainConfig:
         lo=1,
         help="data-parallel ranks (`mp.spawn`, or the WORLD_SIZE of torchrun, which must match)",
         more="May change on resume: the data stream is the same",
+        execution=True,
     )
     backend: str = key(
         "auto",
@@ -32,12 +33,14 @@ class TrainConfig:
         "CPU (said in one line when GPUs exist but are fewer than the ranks, so the default config runs "
         "anywhere); `gloo` (CPU); `nccl` (refused before anything starts when the machine has fewer CUDA "
         "devices than ranks)",
+        execution=True,
     )
     threads_per_rank: int = key(
         1,
         lo=1,
         help="`torch.set_num_threads` in each rank",
         more="(part of the reproducibility promise)",
+        execution=True,
     )
     timeout_s: float = key(
         300.0,
@@ -45,6 +48,7 @@ class TrainConfig:
         help="collective timeout: a crashed or hung rank ends the job within about this long",
         more="While checkpointing: a rank that makes no progress for this long (a slow disk still makes "
         "progress)",
+        execution=True,
     )
     batch_size: int = key(
         32,
@@ -62,6 +66,7 @@ class TrainConfig:
         "micro-steps but the last inside `ddp.no_sync()`, each micro-loss divided by `grad_accum_steps`. "
         "Raise it when the global batch does not fit in memory; it costs little speed once the micro-batch "
         "keeps the device busy",
+        execution=True,
     )
     dtype: str = key(
         "bfloat16",
@@ -86,6 +91,7 @@ class TrainConfig:
         "`TORCHINDUCTOR_COMPILE_THREADS` wins). The first step includes the compilation and its time is "
         "printed. Checkpoints keep plain parameter names. Pays on GPUs and for larger models; on the CPU "
         "measure first (bench/train_step.py)",
+        execution=True,
     )
     deterministic: bool = key(
         True,
@@ -96,7 +102,8 @@ class TrainConfig:
         "machine. `false`: the fastest kernels, TF32 matmuls for float32 and cuDNN attention; reruns differ "
         "in the last bits. On the CPU the cost is nil (the same kernels run). On GPUs it costs the "
         "deterministic attention backward and, for float32 models, the TF32 matmul speed-up; `bench/gpu.py` "
-        "measures it (not measured yet: no GPU has been lent to this project)",
+        "measures it",
+        execution=True,
     )
     peak_flops: float | None = key(
         None,
@@ -105,6 +112,7 @@ class TrainConfig:
         help="peak FLOP/s of one device for the MFU in the log; `null` = a table of common GPUs",
         more="(`tinylm/throughput.py`: bfloat16/float16, TF32 or float32 column by dtype); on the CPU MFU is "
         "shown only when this is set",
+        execution=True,
     )
     max_iters: int = key(1000, lo=1, help="optimizer steps (about 6 minutes on 2 CPU cores)")
     lr_max: float = key(6e-3, lo=0.0, lo_open=True, help="peak learning rate, after warmup")
@@ -113,7 +121,28 @@ class TrainConfig:
     )
     warmup_iters: int = key(50, lo=0, help="linear warmup steps from 0 to `lr_max`")
     cos_cycle_iters: int | None = key(
-        None, lo=1, help="step where the cosine reaches `lr_min`; `null` = `max_iters`"
+        None,
+        lo=1,
+        help="`cosine`: step where the cosine reaches `lr_min`; `null` = `max_iters`",
+        applies_if=("schedule", "cosine"),
+    )
+    schedule: str = key(
+        "cosine",
+        choices=["cosine", "wsd"],
+        help="after warmup: `cosine` (down to `lr_min`) | `wsd` (constant `lr_max`, then a linear decay to "
+        "`lr_min` over the last `decay_fraction` of the steps)",
+        more='`wsd` is warmup-stable-decay (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training '
+        "Beyond Fixed Training Durations\"; nanochat's warmdown). Every optimizer group follows the same "
+        "shape, scaled to its own peak learning rate",
+    )
+    decay_fraction: float = key(
+        0.2,
+        lo=0.0,
+        lo_open=True,
+        hi=1.0,
+        help="`wsd`: share of `max_iters` over which the learning rate decays linearly to `lr_min`",
+        more="(0 < x <= 1; rounded to whole steps, at least one; warmup and decay must not overlap)",
+        applies_if=("schedule", "wsd"),
     )
     weight_decay: float = key(
         0.7,
@@ -133,7 +162,7 @@ class TrainConfig:
         choices=["adamw", "muon"],
         help="`adamw` (every parameter) | `muon` (Muon for the blocks' weight matrices, AdamW for the "
         "embedding, head and gains)",
-        more="`adamw`: AdamW for every parameter (`tinylm/optim.py`), the original design's optimizer. "
+        more="`adamw`: AdamW for every parameter (`tinylm/optim.py`). "
         "`muon`: Muon (`tinylm/muon.py`: Nesterov momentum, its update orthogonalised by five quintic "
         "Newton-Schulz steps, Keller Jordan's algorithm, as `torch.optim.Muon` computes it) for the 2-D "
         "weight matrices of the Transformer blocks, and AdamW (`beta1`, `beta2`, `eps`) for the token "
@@ -151,6 +180,7 @@ class TrainConfig:
         help="`muon`: peak learning rate of the Muon matrices (the schedule scales every group alike)",
         more="Keller Jordan's default. Each matrix's step is further scaled by its shape, see "
         "`muon_adjust_lr`",
+        applies_if=("optimizer", "muon"),
     )
     muon_momentum: float = key(
         0.95,
@@ -158,18 +188,21 @@ class TrainConfig:
         hi=1.0,
         help="`muon`: Nesterov momentum of the Muon matrices (below 1)",
         more="An average of the gradients, B = m B + (1 - m) G, used Nesterov-style",
+        applies_if=("optimizer", "muon"),
     )
     muon_weight_decay: float = key(
         0.0,
         lo=0.0,
         help="`muon`: decoupled weight decay of the Muon matrices (`weight_decay` stays AdamW's)",
         more="W <- W (1 - lr x this); Keller Jordan's default is 0",
+        applies_if=("optimizer", "muon"),
     )
     muon_ns_steps: int = key(
         5,
         lo=1,
         help="`muon`: quintic Newton-Schulz steps orthogonalising each update",
         more="(five bring every singular value of the update into about [0.68, 1.21])",
+        applies_if=("optimizer", "muon"),
     )
     muon_adjust_lr: str = key(
         "original",
@@ -178,6 +211,7 @@ class TrainConfig:
         "(0.2 sqrt(max(rows, cols)))",
         more="The scales of `torch.optim.Muon`'s `adjust_lr_fn`: `original` is Keller Jordan's, "
         "`match_rms_adamw` Moonshot's (an update of AdamW's size, so AdamW's lr and decay carry over)",
+        applies_if=("optimizer", "muon"),
     )
     embedding_lr: float | None = key(
         None,
@@ -185,6 +219,7 @@ class TrainConfig:
         lo_open=True,
         help="`muon`: peak learning rate of the token embedding (AdamW); `null` = `lr_max`",
         more="(refused with `adamw`)",
+        applies_if=("optimizer", "muon"),
     )
     head_lr: float | None = key(
         None,
@@ -192,6 +227,7 @@ class TrainConfig:
         lo_open=True,
         help="`muon`: peak learning rate of the output head (AdamW); `null` = `lr_max`",
         more="(refused with `adamw`)",
+        applies_if=("optimizer", "muon"),
     )
     bucket_size_mb: float = key(
         25.0,
@@ -201,6 +237,7 @@ class TrainConfig:
         more="One all-reduce per bucket (with `shard_optimizer`, one reduce per owner in the bucket), "
         "overlapping backward. Gradients live in the buckets and are never copied: each step zeroes the "
         "buckets and backward accumulates straight into them",
+        execution=True,
     )
     shard_optimizer: bool = key(
         True,
@@ -211,6 +248,7 @@ class TrainConfig:
         "of its parameters only, the owners step and send the new values out: a step sends what plain "
         "DDP's all-reduce sends, not 1.5x. The gradient clip uses one small all-reduce of the owners' "
         "squared norms",
+        execution=True,
     )
     log_interval: int = key(
         50,
@@ -221,18 +259,21 @@ class TrainConfig:
         "`peak_flops`) count the training steps only (validation and checkpoint writes are timed and "
         "printed on lines of their own); peak memory is CUDA's allocated memory, or the process's peak RSS "
         "on the CPU; under float16 the line also shows the loss scale",
+        execution=True,
     )
     val_interval: int = key(
         250,
         lo=1,
         help="a quick validation estimate every this many steps",
         more="(`val_batches` random batches; TensorBoard `val_loss`)",
+        execution=True,
     )
     val_batches: int = key(
         20,
         lo=1,
         help="random batches per validation estimate",
         more="(the `evaluate` stage computes the exact loss)",
+        execution=True,
     )
     checkpoint_interval: int = key(
         250, lo=1, help="a committed checkpoint every this many steps (and at the end)"
@@ -242,9 +283,15 @@ class TrainConfig:
         lo=2,
         help="full resume states kept (at least 2); older steps keep their weights only",
         more='(see "Disk" below)',
+        execution=True,
     )
 
     @property
     def cos_cycle(self) -> int:
         """The last step of the cosine decay (defaults to max_iters)."""
         return self.max_iters if self.cos_cycle_iters is None else self.cos_cycle_iters
+
+    @property
+    def decay_iters(self) -> int:
+        """`wsd`: the number of final steps over which the learning rate decays (at least 1)."""
+        return max(1, round(self.decay_fraction * self.max_iters))

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import BinaryIO
 
-END_OF_TEXT = "<|endoftext|>"  # separates documents; the special token that ends a sample
+from tinylm.config.keys import END_OF_TEXT
+
+__all__ = ["END_OF_TEXT", "CorpusError", "Writer"]
 
 
 class CorpusError(ValueError):

@@ -11,6 +11,8 @@ values of the earlier ones in a KVCache (see kv_cache.py); training never passes
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -135,3 +137,9 @@ class Transformer(nn.Module):
         if exclude_embeddings:
             total -= self.token_embeddings.weight.numel()
         return total
+
+
+# The constructor's architecture arguments (all but device and dtype): the keys of `model.config`.
+Transformer.CONFIG_KEYS = tuple(
+    name for name in inspect.signature(Transformer).parameters if name not in ("device", "dtype")
+)

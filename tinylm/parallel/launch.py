@@ -37,7 +37,6 @@ import datetime
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -101,6 +100,11 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def is_global_rank0() -> bool:
+    """Whether this process is global rank 0: the launching process, or rank 0 under torchrun."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -315,16 +319,17 @@ def _strip_spawn_header(message: str) -> str:
     return message.split(marker, 1)[1] if marker in message else message
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """The process-group backend for `train.backend`, checked against this machine's CUDA devices.
+def resolve_backend(backend: str, world_size: int) -> tuple[str, str | None]:
+    """The process-group backend for `train.backend`, checked against this machine's CUDA devices,
+    and a line for the user when "auto" chose the CPU although the machine has GPUs (else None).
 
     nccl needs one CUDA device per rank on this machine (under torchrun: per rank started here).
-    "auto" is nccl when there are enough devices and gloo on the CPU otherwise, said in one line when
-    GPUs exist but are too few, so that the default config runs (and reproduces its figures) anywhere.
-    A forced "nccl" with too few devices is refused before any process starts.
+    "auto" is nccl when there are enough devices and gloo on the CPU otherwise, so that the default
+    config runs (and reproduces its figures) anywhere. A forced "nccl" with too few devices is
+    refused before any process starts.
     """
     if backend == "gloo":
-        return "gloo"
+        return "gloo", None
     count = torch.cuda.device_count()
     ranks_here = ranks_on_this_machine(world_size)
     if backend == "nccl":
@@ -339,16 +344,15 @@ def resolve_backend(backend: str, world_size: int) -> str:
                 f"need {ranks_here} CUDA devices, but it has {count} (set train.world_size to "
                 f"{count} or fewer, or use backend 'gloo')"
             )
-        return "nccl"
+        return "nccl", None
     if count == 0:
-        return "gloo"
+        return "gloo", None
     if ranks_here > count:
-        _log_main(
+        return "gloo", (
             f"train.world_size {ranks_here} is more ranks than this machine's {count} CUDA devices: "
-            f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)",
+            f"training on the CPU with gloo (set train.world_size: {count} to use the GPUs)"
         )
-        return "gloo"
-    return "nccl"
+    return "nccl", None
 
 
 def ranks_on_this_machine(world_size: int) -> int:
@@ -371,9 +375,3 @@ def limit_compile_threads(ranks_here: int) -> int:
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     inductor_config.compile_threads = threads
     return threads
-
-
-def _log_main(message: str) -> None:
-    """Print one line on the launching process (global rank 0 under torchrun)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[pretrain] {message}", file=sys.stderr, flush=True)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinylm.nn_utils import scale_to_norm, squared_norms
+from tinylm.nn_utils import gradient_clip, scale_to_norm, squared_norms
 
 _ALIGN_BYTES = 64
 
@@ -281,3 +281,39 @@ def _placeholder(description: tuple) -> Any:
         _, shape, dtype = description
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     return description[1]
+
+
+# A run's optimizer is a ShardedOptimizer or a plain one; these answer for both, so that no caller
+# has to tell them apart.
+
+
+def parameter_owners(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int] | None:
+    """{parameter: the rank that steps it} of a ShardedOptimizer (DDP's `reduce_to`); None for a
+    plain optimizer, which every rank runs over every parameter."""
+    return optimizer.owner if isinstance(optimizer, ShardedOptimizer) else None
+
+
+def held_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The parameters this rank steps, and so whose averaged gradients and state it holds, in global order."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.owned_parameters()
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
+    """Clip the gradients this rank holds by the global norm over `parameters`; returns that norm.
+
+    A collective for a ShardedOptimizer (see `ShardedOptimizer.clip_grad_norm_`); the same value
+    as `nn_utils.gradient_clip(parameters, max_norm)` either way.
+    """
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.clip_grad_norm_(parameters, max_norm)
+    return gradient_clip(parameters, max_norm)
+
+
+def full_or_sharded_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict in torch's format: this rank's share of a ShardedOptimizer's state
+    (the rest on the meta device, see `sharded_state_dict`), or a plain optimizer's whole state."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.sharded_state_dict()
+    return optimizer.state_dict()

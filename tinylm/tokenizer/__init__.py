@@ -10,7 +10,7 @@ and `encode_corpus(tokenizer, input_path, output_path)` (encode).
 """
 
 from tinylm.tokenizer.bpe import train_bpe, train_tokenizer
-from tinylm.tokenizer.encode_corpus import encode_corpus
+from tinylm.tokenizer.encode import encode_corpus
 from tinylm.tokenizer.pretokenize import GPT2_PATTERN
 from tinylm.tokenizer.tokenizer import Tokenizer
 

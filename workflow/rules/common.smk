@@ -1,7 +1,7 @@
 import json
 from dataclasses import asdict
 
-from tinylm.config import DEFAULT_RUN, data_hash, run_hash
+from tinylm.config import DEFAULT_RUN, data_hash, run_state_dir
 from tinylm.corpus.readers import matching_files
 
 # Where artifacts live. The main config is the run "default": its files are where they always were

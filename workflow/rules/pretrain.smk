@@ -1,8 +1,8 @@
-# The resume state lives in results/{run_dir}state/<run hash>, outside the declared outputs:
+# The resume state lives in the run's state folder (tinylm.config.run_state_dir), outside the declared outputs:
 # Snakemake deletes declared outputs before a job runs and after it fails, so a killed run rerun
 # with `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
 # The progress lines go to the terminal as well as to the log (tee; Snakemake's bash runs with
-# pipefail, so a failed pretrain still fails the job); each line starts with `[pretrain <run name>]`, so the
+# pipefail, so a failed pretrain still fails the job); each line is labelled with the run's name, so the
 # runs of a sweep that train side by side can be told apart.
 rule pretrain:
     input:
@@ -13,7 +13,7 @@ rule pretrain:
         directory("results/{run_dir}checkpoints"),
     params:
         cfg=run_json("corpus", "tokenizer", "model", "train"),
-        state_dir=lambda wildcards: f"results/{wildcards.run_dir}state/{run_hash(run_cfg(wildcards))}",
+        state_dir=lambda wildcards: run_state_dir(run_cfg(wildcards), wildcards.run_dir),
         run_name=lambda wildcards: RUN_OF[wildcards.run_dir],
         launcher=LAUNCHER,
     conda:

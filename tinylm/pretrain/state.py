@@ -1,14 +1,15 @@
 """A run's committed steps: the state folder that `pretrain` writes and resumes from.
 
-    state_dir/step_0000500/{checkpoint.pt, weights.pt, manifest.json}   (see docs/architecture.md)
+    state_dir/step_0000500/{checkpoint.pt, weights.pt, manifest.json}   (tinylm/pretrain/steps.py)
 
 A step folder exists for readers only once its manifest is written (the commit); one without is an
 interrupted write, removed by the next commit. Two collectives, called by every rank:
 
-- `save_step`: rank 0 plans both files (tinylm/checkpoint.py), every rank writes the tensors it
-  holds into them in place (a parameter's owner its weights and sharded optimizer state, rank 0
-  the rest), hashing as it writes; rank 0 writes the manifest, publishes and prunes. The ranks
-  meet through the store (tinylm/parallel/heartbeat.py), so a slow disk is never a hung rank.
+- `save_step`: rank 0 plans both files (tinylm/checkpoint/pieces.py), every rank writes the
+  tensors it holds into them in place (a parameter's owner its weights and sharded optimizer
+  state, rank 0 the rest), hashing as it writes; rank 0 writes the manifest, publishes and prunes.
+  The ranks meet through the store (tinylm/pretrain/heartbeat.py), so a slow disk is never a hung
+  rank.
 - `restore_step`: each rank reads, one checked tensor at a time, the model and the optimizer state
   of the parameters it steps; the consolidated format (keyed by global parameter index) resumes
   at any world size.
@@ -19,10 +20,8 @@ parsed only with `torch.load(..., weights_only=True)`: a corrupt or hostile file
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,46 +29,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tinylm.checkpoint import (
-    REQUIRED_KEYS,
-    CheckpointError,
+from tinylm.checkpoint.file import REQUIRED_KEYS, CheckpointError, check_plain
+from tinylm.checkpoint.manifest import (
+    FORMAT,
+    file_entry,
+    read_manifest,
+    weights_sha256,
+    write_manifest,
+)
+from tinylm.checkpoint.pieces import (
     CheckpointReader,
     Layout,
-    check_plain,
+    TensorPath,
     map_tensors,
     plan_file,
     tensor_leaves,
     write_tensors,
 )
-from tinylm.io import atomic_write_text, fsync_dir, link_or_copy
-from tinylm.parallel.heartbeat import Heartbeat
-
-FORMAT = 2  # of the files and manifests below; a state written in another format is not resumed
-MANIFEST = "manifest.json"
-CHECKPOINT = "checkpoint.pt"
-WEIGHTS = "weights.pt"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_PUBLISHED = re.compile(r"^step_(\d+)\.pt$")
-
-
-def step_dir(state_dir: Path, step: int) -> Path:
-    return Path(state_dir) / f"step_{step:07d}"
-
-
-def committed_steps(state_dir: str | os.PathLike) -> list[int]:
-    """Steps whose folder has a manifest, ascending. Folders without one are ignored."""
-    return _steps(state_dir, _STEP_DIR, lambda p: p / MANIFEST)
-
-
-def _steps(folder: str | os.PathLike, pattern: re.Pattern, manifest_of) -> list[int]:
-    """Ascending steps of the entries of `folder` named like `pattern` whose manifest file exists."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    return sorted(
-        int(m.group(1)) for p in folder.iterdir() if (m := pattern.match(p.name)) and manifest_of(p).is_file()
-    )
-
+from tinylm.checkpoint.published import read_model_state
+from tinylm.io import fsync_dir
+from tinylm.parallel.sharded import full_or_sharded_state_dict, held_parameters, parameter_owners
+from tinylm.pretrain.heartbeat import Heartbeat
+from tinylm.pretrain.publish import republish
+from tinylm.pretrain.steps import CHECKPOINT, MANIFEST, STEP_DIR, WEIGHTS, committed_steps, step_dir
 
 # ------------------------------------------------------------------------------------------------
 # Saving
@@ -100,9 +82,8 @@ def save_step(
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
     model_state = model.state_dict()
-    owner = getattr(optimizer, "owner", None)  # a sharded optimizer's {parameter: rank}
-    sharded = owner is not None
-    optimizer_state = optimizer.sharded_state_dict() if sharded else optimizer.state_dict()
+    owners = parameter_owners(optimizer)  # None: every rank holds every parameter's state
+    optimizer_state = full_or_sharded_state_dict(optimizer)
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(per_rank, gathered, dst=0)  # small: RNG states and the like
@@ -110,15 +91,16 @@ def save_step(
         gathered = [per_rank]
 
     # Who writes each tensor: a parameter's owner its weights and optimizer state, rank 0 the rest.
-    owners = [owner[p] for group in optimizer.param_groups for p in group["params"]] if sharded else []
-    owner_of_storage = {p.data_ptr(): rank for p, rank in owner.items()} if sharded else {}
+    owners = owners or {}
+    owner_by_index = [owners.get(p, 0) for group in optimizer.param_groups for p in group["params"]]
+    owner_of_storage = {p.data_ptr(): rank for p, rank in owners.items()}
     model_writer = {name: owner_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
 
-    def writer_of(path: tuple) -> int:
+    def writer_of(path: TensorPath) -> int:
         if path[0] == "model":
             return model_writer[path[1]]
-        if path[:2] == ("optimizer", "state") and sharded:
-            return owners[path[2]]  # the state of the parameter with this global index
+        if path[:2] == ("optimizer", "state"):
+            return owner_by_index[path[2]]  # the state of the parameter with this global index
         return 0
 
     checkpoint = {"model": model_state, "optimizer": optimizer_state, "iteration": int(step)}
@@ -210,11 +192,11 @@ def _commit_files(
                 "files": described,
             }
             if "model" in files.get(WEIGHTS, {}):
-                manifest["weights_sha256"] = _weights_sha256(
+                manifest["weights_sha256"] = weights_sha256(
                     files[WEIGHTS]["model"], layouts[WEIGHTS], merged[WEIGHTS]
                 )
-            atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            _republish(Path(state_dir))
+            write_manifest(folder / MANIFEST, manifest)
+            republish(Path(state_dir))
             _prune(Path(state_dir), keep)
             heartbeat.post("done", "1")
     except BaseException:
@@ -225,88 +207,17 @@ def _commit_files(
     return folder
 
 
-def _weights_sha256(model_state: dict[str, torch.Tensor], layout: Layout, hashes: dict[int, str]) -> str:
-    """The model's identity: sha256 over each tensor's name, dtype, shape and the sha256 of its bytes.
-
-    Computed from the hashes taken while writing, so nothing is read again; the same weights give
-    the same value in checkpoint.pt and weights.pt, and at any world size.
-    """
-    described = []
-    for name, tensor in model_state.items():
-        offset, nbytes = layout.records[("model", name)]
-        described.append([name, str(tensor.dtype), list(tensor.shape), hashes.get(offset) if nbytes else ""])
-    return hashlib.sha256(json.dumps(described).encode()).hexdigest()
-
-
 def _prune(state_dir: Path, keep: int) -> None:
     """Remove all but the newest `keep` committed step folders, and folders never committed."""
     committed = committed_steps(state_dir)
     for path in state_dir.iterdir():
-        m = _STEP_DIR.match(path.name)
+        m = STEP_DIR.match(path.name)
         if m and (int(m.group(1)) not in committed or int(m.group(1)) in committed[:-keep]):
             shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------------------------------------
-# Publishing
-
-
-def _republish(state_dir: Path) -> None:
-    """Make published/ hold the newest committed step's checkpoint.pt and every older step's weights.pt.
-
-    Idempotent and safe to interrupt: a step's manifest is removed before its file is relinked
-    and written again after, so a published step_N.pt always matches its step_N.json.
-    """
-    published = state_dir / "published"
-    published.mkdir(exist_ok=True)
-    steps = committed_steps(state_dir)
-    for step in steps:
-        contents, name = ("full", CHECKPOINT) if step == steps[-1] else ("weights", WEIGHTS)
-        target = published / f"step_{step}.json"
-        if target.is_file() and _contents(target) == contents:
-            continue
-        manifest = read_manifest(step_dir(state_dir, step) / MANIFEST)
-        target.unlink(missing_ok=True)
-        fsync_dir(published)
-        link_or_copy(step_dir(state_dir, step) / name, published / f"step_{step}.pt")
-        single = {**manifest, "contents": contents, "files": {f"step_{step}.pt": manifest["files"][name]}}
-        atomic_write_text(target, json.dumps(single, indent=2, sort_keys=True) + "\n")
-
-
-def _contents(published_manifest: Path) -> str | None:
-    try:
-        return json.loads(published_manifest.read_text(encoding="utf-8")).get("contents")
-    except (OSError, ValueError, AttributeError):
-        return None  # unreadable: publish it again
-
-
-# ------------------------------------------------------------------------------------------------
 # Restoring
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: manifest not found (the checkpoint was never committed)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: manifest is not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: manifest has no 'files' table")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: manifest of format {manifest.get('format')!r}, this tinylm reads format "
-            f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)"
-        )
-    return manifest
-
-
-def _file_entry(manifest: dict[str, Any], name: str, manifest_path: Path) -> dict[str, Any]:
-    entry = manifest["files"].get(name)
-    if not isinstance(entry, dict) or not {"bytes", "records", "other"} <= entry.keys():
-        raise CheckpointError(f"{manifest_path}: manifest does not describe the file {name}")
-    return entry
 
 
 def restore_step(
@@ -327,11 +238,11 @@ def restore_step(
     manifest = read_manifest(folder / MANIFEST)
     heartbeat = Heartbeat(ctx.store, ctx.rank, ctx.world_size, ctx.timeout_s, f"restore/{steps[-1]}")
     path = folder / CHECKPOINT
-    with CheckpointReader(path, _file_entry(manifest, CHECKPOINT, folder / MANIFEST)) as reader:
+    with CheckpointReader(path, file_entry(manifest, CHECKPOINT, folder / MANIFEST)) as reader:
         saved = reader.structure
         if not isinstance(saved, dict) or any(key not in saved for key in REQUIRED_KEYS):
             raise CheckpointError(f"checkpoint {path} lacks one of the entries {list(REQUIRED_KEYS)}")
-        _read_model(reader, saved["model"], model, heartbeat.beat)
+        read_model_state(reader, saved["model"], model, heartbeat.beat)
         _read_optimizer(reader, saved["optimizer"], optimizer, heartbeat.beat)
         rest = map_tensors(
             {key: value for key, value in saved.items() if key not in ("model", "optimizer")},
@@ -339,34 +250,6 @@ def restore_step(
         )
     heartbeat.barrier("restored")
     return rest
-
-
-def _read_model(
-    reader: CheckpointReader, saved: dict[str, torch.Tensor], model: torch.nn.Module, beat
-) -> None:
-    """Read every entry of the saved state dict straight into the model's parameters and buffers."""
-    target = model.state_dict()
-    if saved.keys() != target.keys():
-        missing, unexpected = sorted(target.keys() - saved.keys()), sorted(saved.keys() - target.keys())
-        raise CheckpointError(
-            f"{reader.path}: its weights do not fit the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    done = set()
-    for name, meta in saved.items():
-        tensor = target[name]
-        if tensor.shape != meta.shape:
-            raise CheckpointError(
-                f"{reader.path}: its weights do not fit the model: {name!r} has shape "
-                f"{tuple(meta.shape)}, the model's {tuple(tensor.shape)}"
-            )
-        if tensor.dtype != meta.dtype:
-            raise CheckpointError(
-                f"{reader.path}: model entry {name!r} has dtype {meta.dtype}, the model's {tensor.dtype}"
-            )
-        if tensor.data_ptr() not in done:  # tied weights are one tensor
-            reader.read_into(meta, tensor, beat)
-            done.add(tensor.data_ptr())
 
 
 def _read_optimizer(
@@ -377,14 +260,14 @@ def _read_optimizer(
     State tensors go to their parameter's device, except `step` counters, which stay on the CPU.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    owner = getattr(optimizer, "owner", None)  # a sharded optimizer's {parameter: rank}
+    held = set(held_parameters(optimizer))
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
             raise CheckpointError(
                 f"{reader.path}: optimizer state for parameter {index}, the optimizer has {len(params)}"
             )
-        if owner is not None and owner[params[index]] != optimizer.rank:
+        if params[index] not in held:
             continue
         state[index] = {
             name: reader.read(value, "cpu" if name == "step" else params[index].device, beat)

@@ -1,21 +1,22 @@
-"""tinylm.published: the published folder (the newest step's full checkpoint, older steps' weights),
-republishing after an interruption."""
+"""tinylm.pretrain.publish: the published folder (the newest step's full checkpoint, older steps'
+weights), republishing after an interruption."""
 
 import json
 
 import torch
-from _checkpoints import read_checked
-from test_state import MANIFEST, assert_same, payload
+from helpers import IDENTITY, assert_same, read_checked, small_checkpoint
 
-from tinylm import published as published_lib
+from tinylm.checkpoint import FORMAT, published_steps
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
-from tinylm.state import FORMAT, commit, committed_steps
+from tinylm.pretrain.publish import publish
+from tinylm.pretrain.state import commit
+from tinylm.pretrain.steps import committed_steps
 
 
 def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_path):
     for step in (10, 20, 30, 40):
-        commit(tmp_path, step, payload(step), MANIFEST, keep=2)
+        commit(tmp_path, step, small_checkpoint(step), IDENTITY, keep=2)
     assert committed_steps(tmp_path) == [30, 40]
     manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
     assert (
@@ -25,12 +26,12 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
     )
     assert set(manifest["files"]) == {"checkpoint.pt", "weights.pt"}
 
-    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
+    out = publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt", "step_30.pt", "step_40.pt"]
     # The newest is in the full checkpoint format ({model, optimizer, iteration}): a plain torch.load
     # into a plain AdamW.
     full = torch.load(out[-1], weights_only=True)
-    assert_same(full, payload(40))
+    assert_same(full, small_checkpoint(40))
     model = Transformer(**full["model_config"])
     model.load_state_dict(full["model"])
     AdamW(model.parameters()).load_state_dict(full["optimizer"])
@@ -38,7 +39,7 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
     for path, step in zip(out[:-1], (10, 20, 30), strict=True):
         weights, published = read_checked(path)
         assert published["contents"] == "weights" and "optimizer" not in weights
-        expected = payload(step)
+        expected = small_checkpoint(step)
         assert_same(
             weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")}
         )
@@ -56,11 +57,11 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
 
 def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
     for step in (10, 20):
-        commit(tmp_path, step, payload(step), MANIFEST)
+        commit(tmp_path, step, small_checkpoint(step), IDENTITY)
     # As if a commit was killed after taking step 10's manifest away and before writing it again.
     (tmp_path / "published" / "step_10.json").unlink()
     (tmp_path / "published" / "step_10.pt").unlink()
-    assert published_lib.published_steps(tmp_path / "published") == [20]
-    out = published_lib.publish(tmp_path, tmp_path / "checkpoints")
+    assert published_steps(tmp_path / "published") == [20]
+    out = publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
     assert read_checked(out[0])[1]["contents"] == "weights"

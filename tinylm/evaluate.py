@@ -25,7 +25,7 @@ more training costs only the new checkpoints, and a rerun with nothing new reads
 all. The key is the weights' identity recorded in the checkpoint's manifest (`weights_sha256`,
 hashed while the tensors were written), not the file: a step's published file changes when a newer
 step is published (the full state is cut to its weights), while its weights do not. A checkpoint
-is read for its model tensors only (`published.load_model`), never for its optimizer state.
+is read for its model tensors only (`tinylm.checkpoint.load_model`), never for its optimizer state.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from tinylm import published as published_lib
-from tinylm.checkpoint import CheckpointError
+from tinylm.checkpoint import CheckpointError, load_model, published_manifest, published_steps
 from tinylm.data import load_tokens
 from tinylm.io import atomic_path, atomic_write_text
 from tinylm.precision import autocast, dtype_name, resolve_dtype
@@ -165,7 +164,7 @@ def evaluate_checkpoints(
     against its manifest and loaded with weights_only=True; validation data must use ids of this
     tokenizer. With `cache_dir`, checkpoints scored before with the same settings are read from it.
     """
-    steps = published_lib.published_steps(checkpoint_dir)
+    steps = published_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
     vocab_size = len(tokenizer.vocab)
@@ -182,7 +181,7 @@ def evaluate_checkpoints(
 
     rows = []
     for step in steps:
-        manifest = published_lib.published_manifest(checkpoint_dir, step)
+        manifest = published_manifest(checkpoint_dir, step)
         train_dtype = manifest.get("config", {}).get("train", {}).get("dtype", "float32")
         dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
         # The manifest names the weights (recorded while they were written) and the tokens seen, so
@@ -202,7 +201,7 @@ def evaluate_checkpoints(
         cacheable = key["weights_sha256"] is not None and tokens_seen is not None
         cached = _read_cache(cache_dir, key) if cacheable else None
         if cached is None:
-            model, _ = published_lib.load_model(checkpoint_dir, step, device, tokenizer)
+            model, _ = load_model(checkpoint_dir, step, device, tokenizer)
             if tokens_seen is None:
                 raise CheckpointError(
                     f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "

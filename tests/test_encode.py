@@ -14,7 +14,7 @@ import pytest
 from tinylm.tokenizer import Tokenizer, encode_corpus, train_bpe
 
 # the package exports the function encode_corpus under the module's name; fetch the module itself
-encode_corpus_module = importlib.import_module("tinylm.tokenizer.encode_corpus")
+encode_corpus_module = importlib.import_module("tinylm.tokenizer.encode")
 
 WORDS = [
     "the",

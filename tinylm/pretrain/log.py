@@ -8,71 +8,86 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from tinylm.config import TrainConfig
+from tinylm.model import Transformer
 from tinylm.parallel import RankContext
 from tinylm.throughput import StepMeter, flops_per_token, peak_flops
 
-if TYPE_CHECKING:
-    from tinylm.model import Transformer
-    from tinylm.training import RunSpec
-
-_log_label = "[pretrain]"
+STAGE = "pretrain"
+_label = f"[{STAGE}]"
 
 
 def set_run_name(name: str | None) -> None:
     """Label this process's log lines with the run's name (`[pretrain NAME]`); None: `[pretrain]`."""
-    global _log_label
-    _log_label = f"[pretrain {name}]" if name else "[pretrain]"
+    global _label
+    _label = f"[{STAGE} {name}]" if name else f"[{STAGE}]"
 
 
 def log_line(enabled: bool, message: str) -> None:
+    """Print `message` on stderr under this process's label, when `enabled` (rank 0)."""
     if enabled:
-        print(f"{_log_label} {message}", file=sys.stderr, flush=True)
+        print(f"{_label} {message}", file=sys.stderr, flush=True)
 
 
 class TrainingLog:
     """Rank 0's account of a run: a header, a line every log_interval steps (the mean loss since
     the previous line, learning rate, throughput), validation and commit times, TensorBoard scalars
-    and a closing summary. On the other ranks it only keeps time."""
+    and a closing summary. On the other ranks it only keeps time.
 
-    def __init__(self, ctx: RankContext, spec: RunSpec, model: Transformer, dtype: torch.dtype, start: int):
-        t = self.t = spec.cfg.train
-        self.enabled, self.spec, self.start = ctx.is_main, spec, start
-        self.tokens_per_step = t.batch_size * spec.model_config["context_length"]
-        peak = peak_flops(ctx.device, dtype, tf32=not t.deterministic, override=t.peak_flops)
+    ctx: the rank; train: the train section; model: the model being trained (its shape is printed
+    from model.config); dtype: the autocast dtype; start: the step the run resumes after (0: fresh);
+    state_dir: where steps are committed; tensorboard_dir: None for no event files;
+    seconds_before: training wall time of the attempts this run resumes.
+    """
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        train: TrainConfig,
+        model: Transformer,
+        dtype: torch.dtype,
+        start: int,
+        state_dir: str,
+        tensorboard_dir: str | None,
+        seconds_before: float,
+    ):
+        self.train, self.enabled, self.start = train, ctx.is_main, start
+        self.state_dir, self.seconds_before = state_dir, seconds_before
+        self.tokens_per_step = train.batch_size * model.context_length
+        peak = peak_flops(ctx.device, dtype, tf32=not train.deterministic, override=train.peak_flops)
         self.meter = StepMeter(
-            self.tokens_per_step, flops_per_token(spec.model_config), peak, ctx.world_size, ctx.device
+            self.tokens_per_step, flops_per_token(model.config), peak, ctx.world_size, ctx.device
         )
         self.writer = None
-        if self.enabled and spec.tensorboard_dir is not None:
+        if self.enabled and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=spec.tensorboard_dir, purge_step=start)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=start)
         self._header(ctx, model, dtype)
         self.loss_sum, self.loss_steps, self.val_loss = 0.0, 0, math.nan
         self.started = self._step_started = self._mark = time.perf_counter()
 
     def _header(self, ctx: RankContext, model: Transformer, dtype: torch.dtype) -> None:
-        t, m = self.t, self.spec.cfg.model
+        train, shape = self.train, model.config
         parameters = sum(p.numel() for p in model.parameters())
         param_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.print(
-            f"model: {parameters:,} parameters (vocab {model.vocab_size}, d_model {m.d_model}, "
-            f"{m.num_layers} layers, {m.num_heads} heads, d_ff {m.d_ff}, context {m.context_length}); "
-            f"{t.max_iters} steps of {self.tokens_per_step:,} tokens (batch {t.batch_size} x context "
-            f"{m.context_length}), lr {t.lr_max:g} -> {t.lr_min:g}, weight decay {t.weight_decay:g}, "
-            f"seed {t.seed}"
+            f"model: {parameters:,} parameters (vocab {shape['vocab_size']}, d_model {shape['d_model']}, "
+            f"{shape['num_layers']} layers, {shape['num_heads']} heads, d_ff {shape['d_ff']}, context "
+            f"{shape['context_length']}); {train.max_iters} steps of {self.tokens_per_step:,} tokens (batch "
+            f"{train.batch_size} x context {shape['context_length']}), lr {train.lr_max:g} -> "
+            f"{train.lr_min:g}, weight decay {train.weight_decay:g}, seed {train.seed}"
         )
         self.print(
             f"world size {ctx.world_size}, backend {ctx.backend or 'none'}, "
             f"device {ctx.device.type}, autocast {str(dtype).removeprefix('torch.')} (parameters "
-            f"{param_dtype}), grad_accum_steps {t.grad_accum_steps}; state {self.spec.state_dir}; "
+            f"{param_dtype}), grad_accum_steps {train.grad_accum_steps}; state {self.state_dir}; "
             + (f"resumed at step {self.start}" if self.start else "fresh start")
             + f"; the loss printed is the mean over the steps since the previous line (every "
-            f"{t.log_interval} steps)"
+            f"{train.log_interval} steps)"
         )
 
     def print(self, message: str) -> None:
@@ -80,27 +95,29 @@ class TrainingLog:
 
     def train_seconds(self) -> float:
         """Training wall time so far, over every attempt of this run."""
-        return round(self.spec.seconds_before + time.perf_counter() - self.started, 3)
+        return round(self.seconds_before + time.perf_counter() - self.started, 3)
 
     def step_begins(self) -> None:
         self._step_started = time.perf_counter()
 
     def step_done(self, step: int, loss: float, grad_norm: float, lrs: dict, scaler, overflow: bool) -> None:
-        t = self.t
+        """Account for `step`: its loss and gradient norm, {group name: lr}, the loss scaler, and
+        whether float16 gradients overflowed (the update was skipped)."""
+        train = self.train
         self.meter.add_step(time.perf_counter() - self._step_started)
         self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
-        if step == self.start + 1 and t.compile:
+        if step == self.start + 1 and train.compile:
             self.print(
                 f"torch.compile: the first step took {self.meter.last_step_s:.1f} s (compilation included)"
             )
             self.meter.restart()
-        if step % t.log_interval == 0 or step == t.max_iters:
+        if step % train.log_interval == 0 or step == train.max_iters:
             mean_of = f"mean of {self.loss_steps} steps" if self.loss_steps > 1 else "1 step"
             lr = next(iter(lrs.values()))  # the first group's ("matrices")
             mean_loss = self.loss_sum / self.loss_steps
             self.print(
-                f"step {step}/{t.max_iters} loss {mean_loss:.4f} ({mean_of}) lr {lr:.2e} "
-                f"{self.meter.report(t.max_iters - step)}"
+                f"step {step}/{train.max_iters} loss {mean_loss:.4f} ({mean_of}) lr {lr:.2e} "
+                f"{self.meter.report(train.max_iters - step)}"
                 + (f" loss scale {scaler.scale:g}" if scaler.enabled else "")
             )
             self.loss_sum, self.loss_steps = 0.0, 0
@@ -124,7 +141,7 @@ class TrainingLog:
 
     def committed(self, step: int) -> None:
         """Log the commit of `step`, written since the step (or the last line) ended."""
-        self.print(f"step {step} committed to {self.spec.state_dir} ({self._since_mark():.1f} s)")
+        self.print(f"step {step} committed to {self.state_dir} ({self._since_mark():.1f} s)")
 
     def _since_mark(self) -> float:
         now = time.perf_counter()
@@ -134,11 +151,11 @@ class TrainingLog:
     def finish(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        t, wall = self.t, time.perf_counter() - self.started
+        train, wall = self.train, time.perf_counter() - self.started
         self.print(
-            f"done: steps {self.start + 1}-{t.max_iters} of {t.max_iters} trained in {wall:.1f} s "
-            f"({(t.max_iters - self.start) * self.tokens_per_step / max(wall, 1e-9):,.0f} tokens/s over the "
-            f"wall time, validation and checkpoints included); final val_loss estimate {self.val_loss:.4f} "
-            f"({t.val_batches} batches; `evaluate` computes the exact loss); committed steps in "
-            f"{self.spec.state_dir}"
+            f"done: steps {self.start + 1}-{train.max_iters} of {train.max_iters} trained in {wall:.1f} s "
+            f"({(train.max_iters - self.start) * self.tokens_per_step / max(wall, 1e-9):,.0f} tokens/s over "
+            f"the wall time, validation and checkpoints included); final val_loss estimate "
+            f"{self.val_loss:.4f} ({train.val_batches} batches; `evaluate` computes the exact loss); "
+            f"committed steps in {self.state_dir}"
         )

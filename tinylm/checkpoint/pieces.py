@@ -1,12 +1,4 @@
-"""Checkpoint files: {model, optimizer, iteration}, and how a large one is written and read in pieces.
-
-A checkpoint is one torch.save'd dictionary with at least
-    model      the model's state_dict
-    optimizer  the optimizer's state_dict
-    iteration  the number of optimizer steps taken (int)
-plus any extra entries of plain types (e.g. the model config). It is always read with
-torch.load(weights_only=True), so loading a file never runs code from it. `save_checkpoint` /
-`load_checkpoint` write and read one whole file in one process, atomically.
+"""Large checkpoint files, written and read in pieces, every piece checked against a manifest.
 
 A large checkpoint of a sharded run is never in one process's memory: torch.save needs every
 tensor at once and torch.load reads all of them, while the optimizer state is spread over the
@@ -20,12 +12,12 @@ ranks. Such a file is written in two passes that hold one piece of one tensor at
 2. `write_tensors(path, items)` fills holes in place: each rank fills those of the tensors it
    holds, hashing each tensor's bytes while writing them, so the file is never read again.
 
-The result is an ordinary torch.save file: a plain torch.load(path, weights_only=True) reads it.
-Its manifest entry (`Layout.entry`) cuts the file into byte ranges, each with its sha256:
-"records" (one per tensor) and "other" (pickle, headers, directory). A reader checks exactly the
-ranges it reads: `CheckpointReader` checks the "other" ranges, parses the pickle into tensors on
-the meta device (no data is read), and then reads and checks one tensor at a time, straight into
-its destination.
+The result is an ordinary torch.save file (tinylm/checkpoint/file.py): a plain
+torch.load(path, weights_only=True) reads it. Its manifest entry (`Layout.entry`) cuts the file
+into byte ranges, each with its sha256: "records" (one per tensor) and "other" (pickle, headers,
+directory). A reader checks exactly the ranges it reads: `CheckpointReader` checks the "other"
+ranges, parses the pickle into tensors on the meta device (no data is read), and then reads and
+checks one tensor at a time, straight into its destination.
 """
 
 from __future__ import annotations
@@ -39,106 +31,15 @@ from typing import Any
 
 import torch
 
-from tinylm.io import atomic_path
+from tinylm.checkpoint.file import CheckpointError, torch_load
 
-REQUIRED_KEYS = ("model", "optimizer", "iteration")
 CHUNK_BYTES = 64 << 20  # tensors are written, read and hashed in pieces of at most this size
 FLUSH_BYTES = 256 << 20  # fdatasync after this much, so that no single flush is long
-_PLAIN_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
 
-Path_ = tuple  # where a tensor sits in the payload: its keys and indices from the top
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is truncated, unsafe, or lacks an entry; the message names the file."""
+TensorPath = tuple[str | int, ...]  # where a tensor sits in a payload: its keys and indices from the top
 
 
-def save_checkpoint(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    iteration: int,
-    path: str | os.PathLike,
-    extra: dict[str, Any] | None = None,
-) -> None:
-    """Write model, optimizer and iteration (and the `extra` entries) atomically to `path`.
-
-    `extra` values must be plain types (str, int, float, bool, None, tensors, and lists, tuples and
-    str- or int-keyed dicts of them) so that the file loads with weights_only=True.
-    """
-    state = {
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "iteration": int(iteration),
-    }
-    for key, value in (extra or {}).items():
-        if key in state:
-            raise ValueError(f"extra checkpoint entry {key!r} would overwrite a required entry")
-        check_plain(value, where=key)
-        state[key] = value
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)  # through a handle: the archive is named "archive", not after tmp
-
-
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint dictionary with weights_only=True and check it has model, optimizer, iteration.
-
-    Raises FileNotFoundError if `path` does not exist and CheckpointError if it cannot be loaded
-    safely or lacks a required entry; both name the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    state = _torch_load(path, map_location)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
-    missing = [key for key in REQUIRED_KEYS if key not in state]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks the entries {missing}")
-    return state
-
-
-def _torch_load(path: Path, map_location) -> Any:
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, pickle of arbitrary objects, not a torch file at all
-        raise CheckpointError(f"cannot load checkpoint {path} with weights_only=True: {e}") from e
-
-
-def load_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> int:
-    """Restore `model` (and `optimizer`, if given) from `path`; return the saved iteration."""
-    state = read_checkpoint(path)
-    _unwrap(model).load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    return int(state["iteration"])
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module itself under a torch.compile wrapper, so parameter names carry no `_orig_mod.`."""
-    return getattr(model, "_orig_mod", model)
-
-
-def check_plain(value: Any, where: str) -> None:
-    """Raise TypeError if `value` contains anything torch.load(weights_only=True) may refuse."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str | int):
-                raise TypeError(f"checkpoint entry {where!r}: key {k!r} is not a str or int")
-            check_plain(v, where=f"{where}.{k}")
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            check_plain(v, where=f"{where}[{i}]")
-    elif not isinstance(value, _PLAIN_SCALARS):
-        raise TypeError(f"checkpoint entry {where!r} has type {type(value).__name__}, not a plain type")
-
-
-# ------------------------------------------------------------------------------------------------
-# Large files, piece by piece
-
-
-def tensor_leaves(tree: Any, path: Path_ = ()) -> Iterator[tuple[Path_, torch.Tensor]]:
+def tensor_leaves(tree: Any, path: TensorPath = ()) -> Iterator[tuple[TensorPath, torch.Tensor]]:
     """(path, tensor) for every tensor in nested dicts, lists and tuples, in order."""
     if isinstance(tree, torch.Tensor):
         yield path, tree
@@ -150,7 +51,7 @@ def tensor_leaves(tree: Any, path: Path_ = ()) -> Iterator[tuple[Path_, torch.Te
             yield from tensor_leaves(value, (*path, i))
 
 
-def map_tensors(tree: Any, fn: Callable[[Path_, torch.Tensor], Any], path: Path_ = ()) -> Any:
+def map_tensors(tree: Any, fn: Callable[[TensorPath, torch.Tensor], Any], path: TensorPath = ()) -> Any:
     """`tree` with every tensor t at `path` replaced by fn(path, t); containers keep their types."""
     if isinstance(tree, torch.Tensor):
         return fn(path, tree)
@@ -171,7 +72,7 @@ class Layout:
     """
 
     size: int
-    records: dict[Path_, tuple[int, int]]
+    records: dict[TensorPath, tuple[int, int]]
     other: list[list]
 
     def entry(self, hashes: dict[int, str]) -> dict[str, Any]:
@@ -318,7 +219,7 @@ class CheckpointReader:
         try:
             for offset, length, sha in entry["other"]:
                 self._check(hashlib.sha256(self._pread(offset, length)).hexdigest(), sha, offset)
-            self.structure = _torch_load(self.path, "meta")
+            self.structure = torch_load(self.path, "meta")
         except BaseException:
             self.close()
             raise

@@ -1,4 +1,4 @@
-"""tinylm.io: the state folder's lock (one trainer per folder, also where flock is missing)."""
+"""tinylm.pretrain.lock: the state folder's lock (one trainer per folder, also where flock is missing)."""
 
 import os
 import subprocess
@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from tinylm.io import FolderLockedError, StateLock
+from tinylm.pretrain.lock import FolderLockedError, StateLock
 
 
 def test_lock_stops_a_second_trainer(tmp_path):
     code = (
-        "import sys, time; from tinylm.io import StateLock\n"
+        "import sys, time; from tinylm.pretrain.lock import StateLock\n"
         "with StateLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(30)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinylm.__main__ import main
+from tinylm.checkpoint import load_model
 from tinylm.config import GenerateConfig
-from tinylm.generating import (
+from tinylm.generate import (
     generate,
     generate_reference,
     nucleus,
@@ -24,7 +25,6 @@ from tinylm.generating import (
     stream_text,
 )
 from tinylm.model import Transformer
-from tinylm.published import load_model
 from tinylm.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,7 @@ def tinylm(*args) -> subprocess.CompletedProcess:
 
 
 def test_an_empty_configured_prompt_is_named(tiny_lm, tmp_path):
-    from tinylm.generating import write_samples
+    from tinylm.generate import write_samples
 
     gen = GenerateConfig(prompts=["the king", ""], max_new_tokens=3, threads=1)
     with pytest.raises(ValueError, match=r"generate.prompts\[1\]: the prompt is empty"):

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinylm import evaluation
-from tinylm import published as published_lib
-from tinylm import state as state_lib
-from tinylm.evaluation import evaluate_checkpoints, read_eval, score_tokens, write_eval
+from tinylm import evaluate as evaluation
+from tinylm.checkpoint import published as checkpoint_published
+from tinylm.evaluate import evaluate_checkpoints, read_eval, score_tokens, write_eval
 from tinylm.model import Transformer
+from tinylm.pretrain import state as state_lib
+from tinylm.pretrain.publish import publish as publish_run
 from tinylm.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
@@ -124,7 +125,7 @@ def publish(folder: Path, steps, seed: int = 0, dtype: str | None = None) -> Pat
         if dtype is not None:
             manifest["config"] = {"train": {"dtype": dtype}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=10)
-    published_lib.publish(folder / "state", folder / "ckpt")
+    publish_run(folder / "state", folder / "ckpt")
     return folder / "ckpt"
 
 
@@ -279,8 +280,8 @@ def test_a_rerun_with_nothing_new_reads_no_checkpoint(tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a checkpoint was read although its scores are cached")
 
-    monkeypatch.setattr(published_lib, "load_model", no_loading)
-    monkeypatch.setattr(state_lib, "CheckpointReader", no_loading)
+    monkeypatch.setattr(evaluation, "load_model", no_loading)
+    monkeypatch.setattr(checkpoint_published, "CheckpointReader", no_loading)
     pd.testing.assert_frame_equal(evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=cache), first)
     with pytest.raises(AssertionError, match="was read"):  # the patch does guard the loading path
         evaluate_checkpoints(ckpt, tokens, tokenizer, cache_dir=tmp_path / "empty_cache")
@@ -331,7 +332,7 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
             tmp_path / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
         )
         del moments, payload
-    published_lib.publish(tmp_path / "state", tmp_path / "ckpt")
+    publish_run(tmp_path / "state", tmp_path / "ckpt")
     del model, state
 
     vocab = {i: bytes([i]) for i in range(256)}

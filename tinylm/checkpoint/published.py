@@ -1,0 +1,143 @@
+"""A folder of published checkpoints: what evaluation, generation, sampling and export read.
+
+    folder/step_N.pt + step_N.json    a checkpoint file (tinylm/checkpoint/file.py's format) and
+                                      its manifest (tinylm/checkpoint/manifest.py)
+
+The newest step's file is the full checkpoint (model, optimizer, iteration, ...), every older
+step's holds the weights only (model, iteration, ...); the manifest's "contents" says which
+("full" or "weights"). A step exists for readers once both files are there. `pretrain` writes such
+folders (tinylm/pretrain/publish.py); this module reads them: `load_model` builds the model of a
+step and reads only its weights, each tensor checked against the manifest as it is read, never
+the optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tinylm.checkpoint.file import CheckpointError
+from tinylm.checkpoint.manifest import file_entry, numbered_steps, read_manifest
+from tinylm.checkpoint.pieces import CheckpointReader
+from tinylm.model import RotaryEmbedding, Transformer
+
+if TYPE_CHECKING:
+    from tinylm.tokenizer import Tokenizer
+
+PUBLISHED_DIR = "published"  # the published folder inside a run's state folder
+_PUBLISHED_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+def published_file(folder: str | os.PathLike, step: int) -> Path:
+    """The checkpoint file of `step` in a published folder; its manifest is .with_suffix(".json")."""
+    return Path(folder) / f"step_{step}.pt"
+
+
+def published_steps(folder: str | os.PathLike) -> list[int]:
+    """Steps of `step_N.pt` files that have their `step_N.json` manifest beside them, ascending."""
+    return numbered_steps(folder, _PUBLISHED_FILE, lambda p: p.with_suffix(".json"))
+
+
+def published_manifest(folder: str | os.PathLike, step: int) -> dict[str, Any]:
+    """The manifest (step_N.json) of published checkpoint `step`."""
+    return read_manifest(published_file(folder, step).with_suffix(".json"))
+
+
+def load_model(
+    checkpoint_dir: str | os.PathLike,
+    step: int | None = None,
+    device: str | torch.device = "cpu",
+    tokenizer: Tokenizer | None = None,
+) -> tuple[Transformer, int]:
+    """The model of published checkpoint `step` (default: the newest) in `checkpoint_dir`, and its step.
+
+    Only the model's tensors are read, one at a time, straight into the parameters, each checked
+    against the manifest before it is used; the optimizer state in the same file is never touched,
+    so the memory needed is the model's. The model is built from the config stored in the file
+    (weights_only parsing), then moved to `device`. A missing step, a checkpoint without a model
+    config, weights that do not fit that config, or a model whose vocabulary is not `tokenizer`'s
+    (its logits would not mean the tokenizer's ids) are errors naming the file.
+    """
+    steps = published_steps(checkpoint_dir)
+    if not steps:
+        raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"{checkpoint_dir}: no published checkpoint of step {step} (published: {steps})")
+    path = published_file(checkpoint_dir, step)
+    manifest_path = path.with_suffix(".json")
+    entry = file_entry(read_manifest(manifest_path), path.name, manifest_path)
+    with CheckpointReader(path, entry) as reader:
+        saved = reader.structure
+        config = saved.get("model_config") if isinstance(saved, dict) else None
+        expected = set(Transformer.CONFIG_KEYS)
+        if not isinstance(config, dict) or not set(config) <= expected or "vocab_size" not in config:
+            raise CheckpointError(
+                f"{path}: model_config {config!r} is not a Transformer config (keys among {sorted(expected)})"
+            )
+        if not isinstance(saved.get("model"), dict):
+            raise CheckpointError(f"checkpoint {path} lacks the entry 'model'")
+        dtypes = {meta.dtype for meta in saved["model"].values()}
+        try:  # in the dtype the weights were saved in (float32 unless a test trained in float64)
+            model = _uninitialised_model(config, dtypes.pop() if len(dtypes) == 1 else None)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: model_config {config}: {e}") from None
+        read_model_state(reader, saved["model"], model)
+    if tokenizer is not None and model.vocab_size != len(tokenizer.vocab):
+        raise CheckpointError(
+            f"{path}: model vocabulary {model.vocab_size} differs from the tokenizer's {len(tokenizer.vocab)}"
+        )
+    return model.to(device), step
+
+
+def read_model_state(
+    reader: CheckpointReader, saved: dict[str, torch.Tensor], model: torch.nn.Module, beat=None
+) -> None:
+    """Read every entry of a saved state dict (`saved`: its tensors on the meta device, from
+    `reader.structure`) straight into the model's parameters and buffers, each checked.
+
+    `beat` is called after every piece read (see CheckpointReader.read_into).
+    """
+    target = model.state_dict()
+    if saved.keys() != target.keys():
+        missing, unexpected = sorted(target.keys() - saved.keys()), sorted(saved.keys() - target.keys())
+        raise CheckpointError(
+            f"{reader.path}: its weights do not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    done = set()
+    for name, meta in saved.items():
+        tensor = target[name]
+        if tensor.shape != meta.shape:
+            raise CheckpointError(
+                f"{reader.path}: its weights do not fit the model: {name!r} has shape "
+                f"{tuple(meta.shape)}, the model's {tuple(tensor.shape)}"
+            )
+        if tensor.dtype != meta.dtype:
+            raise CheckpointError(
+                f"{reader.path}: model entry {name!r} has dtype {meta.dtype}, the model's {tensor.dtype}"
+            )
+        if tensor.data_ptr() not in done:  # tied weights are one tensor
+            reader.read_into(meta, tensor, beat)
+            done.add(tensor.data_ptr())
+
+
+def _uninitialised_model(config: dict[str, Any], dtype: torch.dtype | None) -> Transformer:
+    """A Transformer on the CPU whose weights are left uninitialised, for a checkpoint to fill.
+
+    Random initialisation would cost time and, through its temporaries, about twice the weights'
+    memory, for values that are overwritten at once. Only the RoPE tables, which are computed and
+    not saved, get their values.
+    """
+    with torch.device("meta"):
+        model = Transformer(**config, dtype=dtype)
+    model.to_empty(device="cpu")
+    tables = RotaryEmbedding(model.rope.theta, model.rope.d_k, model.rope.max_seq_len)
+    model.rope.cos.copy_(tables.cos)
+    model.rope.sin.copy_(tables.sin)
+    return model

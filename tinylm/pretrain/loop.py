@@ -1,0 +1,194 @@
+"""One rank's training loop, and what it needs to run: the RunSpec every rank is sent.
+
+One update (step s, 1-based), on every rank r of world_size, with A = train.grad_accum_steps:
+
+    batch       the global batch of batch_size windows is a function of (seed, s) only; rank r
+                takes its A micro-batches of batch_size / (world_size * A) (tinylm/data.py)
+    forward     autocast to train.dtype (parameters stay float32), our cross-entropy in float32,
+                divided by A; backward inside ddp.no_sync() for all micro-batches but the last
+    sync        finish_gradient_sync(): every gradient a rank holds is the average over ranks (our
+                DDP reduces gradient buckets while the last backward runs; with a sharded
+                optimizer each bucket goes only to the rank that owns its parameters)
+    clip        one clip by the global gradient norm, the same on every rank
+    update      the optimizer (AdamW or Muon, sharded or not) at the learning rates of update s;
+                with float16 the loss is scaled and an update whose gradients overflow is skipped
+
+So the same config at any world size or accumulation trains on the same tokens and, up to float
+rounding, to the same weights; a run may be resumed at another world size. Each step costs one
+host sync (the loss and gradient norm, read together for the log and the non-finite check).
+Rank 0 logs (tinylm/pretrain/log.py) and runs validation estimates; every rank joins each commit
+of a checkpoint (tinylm/pretrain/state.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tinylm.config import Config
+from tinylm.data import TrainBatches, batch_generator, get_batch, load_tokens, micro_batch_size
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy
+from tinylm.parallel import DDP, RankContext
+from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
+from tinylm.parallel.sharded import clip_grad_norm_, held_parameters, parameter_owners
+from tinylm.precision import LossScaler, autocast, configure_kernels, resolve_dtype
+from tinylm.pretrain.log import TrainingLog, set_run_name
+from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
+from tinylm.pretrain.resume import restore_run, save_step_of_run, seed_everything
+from tinylm.pretrain.steps import committed_steps
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; training stopped before the update."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs to train one run; sent to every rank, so plain and picklable."""
+
+    cfg: Config
+    model_config: dict[str, Any]  # Transformer(**model_config)
+    identity: dict[str, Any]  # what a resume must match, written into every manifest
+    train_tokens: str
+    valid_tokens: str
+    state_dir: str
+    tensorboard_dir: str | None
+    seconds_before: float  # training wall time of the attempts this run resumes
+    run_name: str | None  # a sweep's run, on every log line
+
+
+def train_rank(ctx: RankContext, spec: RunSpec) -> None:
+    """One rank's training loop; the order of one update is in the module docs."""
+    set_run_name(spec.run_name)
+    train, device, accum = spec.cfg.train, ctx.device, spec.cfg.train.grad_accum_steps
+    configure_kernels(device, train.deterministic)
+    rng = seed_everything(train.seed + ctx.rank)
+    dtype = resolve_dtype(train.dtype, device)  # the forward pass's autocast dtype
+    context_length = spec.model_config["context_length"]
+    batches = TrainBatches(
+        load_tokens(spec.train_tokens),
+        train.seed,
+        train.batch_size,
+        context_length,
+        ctx.rank,
+        ctx.world_size,
+        accum,
+        device,
+    )
+    valid_tokens = load_tokens(spec.valid_tokens)
+
+    model = Transformer(**spec.model_config, device=device)  # float32 parameters and optimizer state
+    optimizer = build_optimizer(model, train, ctx.world_size)  # train.optimizer, sharded when asked
+    if train.compile:
+        compile_blocks(model, ctx.world_size)
+    # A sharded optimizer (ZeRO-1) names each parameter's owner: DDP then reduces each gradient to
+    # its owner only, and each rank unscales and clips the gradients it holds.
+    ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, reduce_to=parameter_owners(optimizer))
+    held = held_parameters(optimizer)
+    scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
+    start = restore_run(ctx, spec.state_dir, model, optimizer, scaler, rng)
+    log = TrainingLog(
+        ctx, train, model, dtype, start, spec.state_dir, spec.tensorboard_dir, spec.seconds_before
+    )
+
+    model.train()
+    for step in range(start + 1, train.max_iters + 1):
+        log.step_begins()
+        lrs = set_learning_rates(optimizer, step, train)  # {group name: lr} of update `step`
+        ddp.zero_grad()  # the gradient buckets, in place: backward accumulates straight into them
+        loss = torch.zeros((), device=device)
+        for micro_step in range(accum):
+            x, y = batches.get(step, micro_step)
+            with ddp.no_sync() if micro_step < accum - 1 else contextlib.nullcontext():
+                with autocast(device, dtype):
+                    logits = ddp(x)
+                micro_loss = cross_entropy(logits, y) / accum  # float32; summed: the mean's gradient
+                (micro_loss * scaler.scale).backward()
+            loss += micro_loss.detach()
+        ddp.finish_gradient_sync()
+        if ctx.world_size > 1:
+            dist.all_reduce(loss)
+            loss /= ctx.world_size
+        scaler.unscale_([p.grad for p in held if p.grad is not None])
+        grad_norm = clip_grad_norm_(optimizer, model.parameters(), train.grad_clip)
+        # The step's one host sync. Every rank holds the same loss and norm, so all decide alike.
+        loss_value, norm_value = torch.stack([loss, grad_norm.to(device)]).tolist()
+        overflow = scaler.enabled and not math.isfinite(norm_value)  # float16: skip, lower the scale
+        if not math.isfinite(loss_value) or not (math.isfinite(norm_value) or overflow):
+            committed = (committed_steps(spec.state_dir) or [0])[-1]
+            raise NonFiniteLossError(
+                f"step {step}: loss {loss_value} / gradient norm {norm_value} is not finite; stopped "
+                f"before the update (last committed step: {committed})"
+            )
+        if not overflow:
+            optimizer.step()
+        scaler.update(overflow)
+        log.step_done(step, loss_value, norm_value, lrs, scaler, overflow)
+
+        if ctx.is_main and (step % train.val_interval == 0 or step == train.max_iters):
+            generator = batch_generator(train.seed, step, stream=1)
+            micro_batch = micro_batch_size(train.batch_size, ctx.world_size, accum)
+            val_loss = estimate_loss(
+                model, valid_tokens, micro_batch, context_length, train.val_batches, device, generator, dtype
+            )
+            log.validation(step, val_loss)
+        if step % train.checkpoint_interval == 0 or step == train.max_iters:
+            tokens_seen = step * train.batch_size * context_length
+            save_step_of_run(
+                ctx,
+                spec.state_dir,
+                step,
+                model,
+                optimizer,
+                scaler,
+                rng,
+                described={"tokens_seen": tokens_seen, "model_config": spec.model_config},
+                # The manifest, not the checkpoint (which stays byte-identical), records the wall time.
+                manifest={**spec.identity, "train_seconds": log.train_seconds()},
+                keep=train.keep_checkpoints,
+            )
+            log.committed(step)
+    log.finish()
+
+
+def compile_blocks(model: Transformer, world_size: int) -> None:
+    """torch.compile each Transformer block on its own (train.compile).
+
+    Block by block, so that each block's backward is one autograd node and DDP's buckets start
+    while earlier blocks are still in backward (a whole-model graph would start none before its
+    backward ends); one graph serves every block, and state-dict names stay plain.
+    """
+    limit_compile_threads(ranks_on_this_machine(world_size))
+    for block in model.layers:
+        block.compile()
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    batch_size: int,
+    context_length: int,
+    num_batches: int,
+    device: torch.device,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Mean loss over `num_batches` random batches (a quick estimate; `evaluate` is the exact one)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for _ in range(num_batches):
+        x, y = get_batch(tokens, batch_size, context_length, device, generator=generator)
+        with autocast(device, dtype):
+            logits = model(x)
+        total += cross_entropy(logits, y)
+    model.train(was_training)
+    return total.item() / num_batches

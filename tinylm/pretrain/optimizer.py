@@ -1,0 +1,117 @@
+"""The optimizer of a pretraining run: its parameter groups, and the learning rate of every step.
+
+`build_optimizer` turns the train section into AdamW or Muon over the model's parameters (sharded
+across the ranks with `train.shard_optimizer`), every group named and carrying the top of its
+schedule ("peak_lr"); `set_learning_rates` writes the learning rate of one update into every group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinylm.config import TrainConfig
+from tinylm.model import Transformer
+from tinylm.muon import Muon
+from tinylm.optim import AdamW, cos_lr_scheduler, param_groups, wsd_lr_scheduler
+from tinylm.parallel import ShardedOptimizer
+
+
+def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> torch.optim.Optimizer:
+    """The optimizer of `train.optimizer` over `model`'s trainable parameters.
+
+    - "adamw": `AdamW`, groups "matrices" (every parameter of >= 2 dims, weight_decay) and "gains"
+      (the 1-D ones, no decay), both at lr_max.
+    - "muon": `tinylm.muon.Muon`, groups "matrices" (Muon: the 2-D weights of the Transformer
+      blocks, muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr), and AdamW
+      for "embedding" (the token embedding, embedding_lr or lr_max, weight_decay), "head" (the output
+      head, head_lr or lr_max, weight_decay) and "gains" (every 1-D parameter, lr_max, no decay).
+
+    Every group carries its "name" and "peak_lr" (the top of its schedule, see `set_learning_rates`).
+    With world_size > 1 and shard_optimizer, a ShardedOptimizer runs it on each rank's share (whole
+    parameters, so each owner orthogonalises whole matrices).
+    """
+
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(betas=(train.beta1, train.beta2), eps=train.eps)
+    if train.optimizer == "adamw":
+        groups = [
+            {**group, "name": name, "peak_lr": train.lr_max}
+            for group, name in zip(
+                param_groups(model, train.weight_decay), ("matrices", "gains"), strict=True
+            )
+        ]
+        optimizer_cls, kwargs = AdamW, dict(lr=train.lr_max, **adamw)
+    elif train.optimizer == "muon":
+        embedding, head = model.token_embeddings.weight, model.lm_head.weight
+        block_matrices = [p for name, p in named if name.startswith("layers.") and p.dim() == 2]
+        vectors = [p for _, p in named if p.dim() < 2]
+        groups = [
+            {
+                "name": "matrices",
+                "params": block_matrices,
+                "use_muon": True,
+                "peak_lr": train.muon_lr,
+                "momentum": train.muon_momentum,
+                "weight_decay": train.muon_weight_decay,
+                "ns_steps": train.muon_ns_steps,
+                "adjust_lr_fn": train.muon_adjust_lr,
+            },
+            {
+                "name": "embedding",
+                "params": [embedding],
+                "use_muon": False,
+                "weight_decay": train.weight_decay,
+                "peak_lr": train.lr_max if train.embedding_lr is None else train.embedding_lr,
+            },
+            {
+                "name": "head",
+                "params": [head],
+                "use_muon": False,
+                "weight_decay": train.weight_decay,
+                "peak_lr": train.lr_max if train.head_lr is None else train.head_lr,
+            },
+            {
+                "name": "gains",
+                "params": vectors,
+                "use_muon": False,
+                "weight_decay": 0.0,
+                "peak_lr": train.lr_max,
+            },
+        ]
+        grouped = [id(p) for group in groups for p in group["params"]]
+        if sorted(grouped) != sorted(id(p) for _, p in named) or len(set(grouped)) != len(grouped):
+            raise ValueError(
+                "build_optimizer: the Muon groups must hold every trainable parameter exactly once"
+            )
+        optimizer_cls, kwargs = Muon, dict(lr=train.lr_max, **adamw)
+    else:
+        raise ValueError(f"train.optimizer: {train.optimizer!r} is not one of ['adamw', 'muon']")
+    for group in groups:
+        group["lr"] = group["peak_lr"]
+    if world_size > 1 and train.shard_optimizer:
+        return ShardedOptimizer(groups, optimizer_cls, bucket_size_mb=train.bucket_size_mb, **kwargs)
+    return optimizer_cls(groups, **kwargs)
+
+
+def set_learning_rates(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> dict[str, float]:
+    """Write the learning rate of update `step` (1-based) into every param group; {group name: lr}.
+
+    Every group follows the same warmup and `train.schedule`, scaled to its own "peak_lr" (lr_max
+    where a group has none): from 0 up to peak_lr, then down to peak_lr * lr_min / lr_max. A group
+    at peak_lr == lr_max gets exactly cos_lr_scheduler (or wsd_lr_scheduler) of lr_min and lr_max.
+    Groups without a "name" are reported as "group<i>".
+    """
+    lrs = {}
+    for i, group in enumerate(optimizer.param_groups):
+        peak = group.get("peak_lr", train.lr_max)
+        group["lr"] = learning_rate(step, train, peak)
+        lrs[group.get("name", f"group{i}")] = group["lr"]
+    return lrs
+
+
+def learning_rate(step: int, train: TrainConfig, peak: float) -> float:
+    """The learning rate of update `step` for a group whose schedule tops out at `peak`."""
+    lr_min = train.lr_min * (peak / train.lr_max)
+    if train.schedule == "wsd":
+        return wsd_lr_scheduler(step, train.warmup_iters, train.decay_iters, train.max_iters, lr_min, peak)
+    return cos_lr_scheduler(step, train.warmup_iters, train.cos_cycle, lr_min, peak)

@@ -1,0 +1,68 @@
+"""Publishing: a run's committed steps as a folder of published checkpoints, for the other stages.
+
+    state_dir/published/step_N.pt + step_N.json     republished at every commit
+    checkpoint_dir/step_N.pt + step_N.json          hard links of those, when the run ends
+
+The newest step is published in full (its checkpoint.pt: model, optimizer, iteration, ...), every
+older one as its weights (weights.pt); each file with a manifest of its own whose "contents" says
+which (the format: tinylm/checkpoint/published.py). `state_dir/published` is outside the
+workflow's declared outputs, so a running or stopped run's newest step can be read there
+(tinylm/locate.py); `checkpoint_dir` is the declared output of `pretrain`, filled when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tinylm.checkpoint.manifest import write_manifest
+from tinylm.checkpoint.published import PUBLISHED_DIR, published_file, published_steps
+from tinylm.io import fsync_dir, link_or_copy
+from tinylm.pretrain.steps import CHECKPOINT, WEIGHTS, committed_steps, step_dir, step_manifest
+
+
+def republish(state_dir: str | os.PathLike) -> None:
+    """Make state_dir/published hold the newest committed step's checkpoint.pt and every older
+    step's weights.pt, each with its manifest.
+
+    Idempotent and safe to interrupt: a step's manifest is removed before its file is relinked
+    and written again after, so a published step_N.pt always matches its step_N.json.
+    """
+    published = Path(state_dir) / PUBLISHED_DIR
+    published.mkdir(exist_ok=True)
+    steps = committed_steps(state_dir)
+    for step in steps:
+        contents, name = ("full", CHECKPOINT) if step == steps[-1] else ("weights", WEIGHTS)
+        target = published_file(published, step)
+        if _contents(target.with_suffix(".json")) == contents:
+            continue
+        manifest = step_manifest(state_dir, step)
+        target.with_suffix(".json").unlink(missing_ok=True)
+        fsync_dir(published)
+        link_or_copy(step_dir(state_dir, step) / name, target)
+        single = {**manifest, "contents": contents, "files": {target.name: manifest["files"][name]}}
+        write_manifest(target.with_suffix(".json"), single)
+
+
+def _contents(published_manifest: Path) -> str | None:
+    """The "contents" of a published manifest; None if it is missing or unreadable (publish it again)."""
+    try:
+        return json.loads(published_manifest.read_text(encoding="utf-8")).get("contents")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def publish(state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """Link every published checkpoint of the run (and its manifest) into `checkpoint_dir`; return
+    the .pt paths, ascending by step."""
+    republish(state_dir)
+    source = Path(state_dir) / PUBLISHED_DIR
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for step in published_steps(source):
+        src, dst = published_file(source, step), published_file(checkpoint_dir, step)
+        link_or_copy(src.with_suffix(".json"), dst.with_suffix(".json"))
+        link_or_copy(src, dst)
+        paths.append(dst)
+    return paths

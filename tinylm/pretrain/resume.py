@@ -1,0 +1,135 @@
+"""What carries a run across a restart: its identity check, and the state saved at every commit.
+
+A run's identity (seed, model shape, tokenizer, every key that decides the weights) is written
+into every manifest; `check_resumable` refuses a resume that would change it, naming the key.
+`save_step_of_run` / `restore_run` write and read, besides the model and optimizer, what a resume
+needs to continue bit for bit at the same world size: the float16 loss scaler and every rank's
+random number generators.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinylm.checkpoint import FORMAT, CheckpointError
+from tinylm.config import default_weight_config
+from tinylm.parallel import RankContext
+from tinylm.precision import LossScaler
+from tinylm.pretrain.state import restore_step, save_step
+
+# Keys of the manifest that must match for a resume, checked in this order; then every key of the
+# training config ("config": {section: {key: value}}) must match too. The world size, threads and
+# accumulation may differ: every step's global batch is the same at any of them.
+RESUME_KEYS = ("format", "seed", "structural_hash", "tokenizer_sha256")
+
+
+def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
+    """Refuse a resume whose manifest differs from this run in a key of RESUME_KEYS or of the config."""
+    expected = {"format": FORMAT, **expected}
+    differences = [
+        (key, manifest.get(key), expected[key])
+        for key in RESUME_KEYS
+        if key in expected and manifest.get(key) != expected[key]
+    ]
+    # A weight key that one side leaves out (see tinylm.config.weight_config) is at its default there.
+    # Keys are checked in the config's order (train.optimizer before the keys that depend on it).
+    saved_config, config = manifest.get("config", {}), expected.get("config", {})
+    defaults = default_weight_config()
+    for section in dict.fromkeys([*config, *saved_config]):
+        saved_values, values = saved_config.get(section, {}), config.get(section, {})
+        section_defaults = defaults.get(section, {})
+        known = [k for k in section_defaults if k in values or k in saved_values]
+        for key in dict.fromkeys([*known, *values]):
+            saved = saved_values.get(key, section_defaults.get(key))
+            wanted = values.get(key, section_defaults.get(key))
+            if saved != wanted:
+                differences.append((f"{section}.{key}", saved, wanted))
+    if differences:
+        key, saved, wanted = differences[0]
+        raise CheckpointError(
+            f"{where}: cannot resume: {key} differs (state has {saved!r}, this run has {wanted!r}); "
+            f"use another --state-dir or delete this one to start afresh"
+        )
+
+
+def seed_everything(seed: int) -> np.random.Generator:
+    """Seed torch, numpy and random with `seed`; returns the rank's numpy generator."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return np.random.default_rng(seed)
+
+
+def save_step_of_run(
+    ctx: RankContext,
+    state_dir: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    rng: np.random.Generator,
+    described: dict[str, Any],
+    manifest: dict[str, Any],
+    keep: int,
+) -> None:
+    """Collective: commit `step` (see tinylm/pretrain/state.py). `described` (plain facts such as
+    model_config and tokens_seen) goes into both the checkpoint, so the file alone is enough to use
+    it, and its manifest, so readers need not open the file; `manifest` into the manifest only."""
+    save_step(
+        ctx,
+        state_dir,
+        step,
+        model,
+        optimizer,
+        manifest={**manifest, **described},
+        entries={**described, "grad_scaler": scaler.state_dict()},
+        per_rank={"rng": _rng_state(rng, ctx.device)},
+        keep=keep,
+    )
+
+
+def restore_run(
+    ctx: RankContext,
+    state_dir: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    rng: np.random.Generator,
+) -> int:
+    """Load the newest committed step into the model, optimizer, scaler and RNGs; its step, or 0.
+
+    Each rank reads the model and its own share of the optimizer state (see tinylm/pretrain/state.py).
+    """
+    restored = restore_step(ctx, state_dir, model, optimizer)
+    if restored is None:
+        return 0
+    scaler.load_state_dict(restored.get("grad_scaler") or {})
+    if len(restored["rng"]) == ctx.world_size:  # RNG streams are per rank: only at the same world size
+        _set_rng_state(restored["rng"][ctx.rank], rng, ctx.device)
+    return int(restored["iteration"])
+
+
+def _rng_state(np_rng: np.random.Generator, device: torch.device) -> dict[str, Any]:
+    """Every RNG of this rank as plain types and CPU tensors (loadable with weights_only=True)."""
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": np_rng.bit_generator.state,
+        "python": [version, list(internal), gauss],
+    }
+
+
+def _set_rng_state(saved: dict[str, Any], np_rng: np.random.Generator, device: torch.device) -> None:
+    """Restore what _rng_state saved (the tensors must be on the CPU, as checkpoints are loaded)."""
+    torch.set_rng_state(saved["torch"])
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], device)
+    np_rng.bit_generator.state = saved["numpy"]
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))

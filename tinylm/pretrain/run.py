@@ -1,0 +1,143 @@
+"""`train()`: every check that can fail before training, the resume rule, the launch, publishing.
+
+Checks run in the launching process, so that a bad file or value is one clear error rather than
+one per rank; then `launch` starts one `train_rank` per rank (mp.spawn, or in place under
+torchrun), and rank 0 publishes the committed steps. A killed run resumes from its newest
+committed step, bit-identically at the same world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tinylm.config import Config, config_hash, weight_config
+from tinylm.data import load_tokens
+from tinylm.io import sha256_file
+from tinylm.parallel import launch
+from tinylm.parallel.launch import is_global_rank0, resolve_backend
+from tinylm.pretrain.lock import StateLock
+from tinylm.pretrain.log import log_line, set_run_name
+from tinylm.pretrain.loop import RunSpec, train_rank
+from tinylm.pretrain.publish import publish
+from tinylm.pretrain.resume import check_resumable
+from tinylm.pretrain.steps import committed_steps, step_manifest
+from tinylm.tokenizer import Tokenizer
+
+
+def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
+    """The Transformer's constructor arguments of a run: `Transformer(**model_config_of(cfg, V))`."""
+    return {"vocab_size": vocab_size, **asdict(cfg.model)}
+
+
+def structural_hash(model_config: dict[str, Any]) -> str:
+    """What a checkpoint's tensors depend on for their shapes."""
+    return config_hash(model_config)
+
+
+def train(
+    cfg: Config,
+    tokenizer_path: str | os.PathLike,
+    train_tokens: str | os.PathLike,
+    valid_tokens: str | os.PathLike,
+    state_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike,
+    tensorboard_dir: str | os.PathLike | None = None,
+    *,
+    run_name: str | None = None,
+) -> list[Path]:
+    """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
+
+    `run_name` (a sweep's run) labels every log line. A run whose state holds its last step is
+    finished: it says so, trains nothing and publishes its checkpoints again. Under torchrun every
+    process runs this function; only global rank 0 scans the token files, locks and publishes
+    (the others return []).
+    """
+    set_run_name(run_name)
+    is_rank0 = is_global_rank0()
+    tokenizer = Tokenizer.load(tokenizer_path)
+    vocab_size = len(tokenizer.vocab)
+    context_length = cfg.model.context_length
+    for path in (train_tokens, valid_tokens):  # dtype, shape and largest id (rank 0: one pass), length
+        num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
+        if num_tokens < context_length + 1:
+            raise ValueError(
+                f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
+                f"(model.context_length + 1)"
+            )
+
+    state_dir = Path(state_dir)
+    train = cfg.train
+    model_config = model_config_of(cfg, vocab_size)
+    identity = {
+        "world_size": train.world_size,
+        "threads_per_rank": train.threads_per_rank,
+        "seed": train.seed,
+        "structural_hash": structural_hash(model_config),
+        "tokenizer_sha256": sha256_file(tokenizer_path),
+        "config": weight_config(cfg),
+    }
+    backend, note = resolve_backend(train.backend, train.world_size)
+    if note:
+        log_line(is_rank0, note)
+    with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
+        steps = committed_steps(state_dir)
+        train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
+        if steps:
+            manifest = step_manifest(state_dir, steps[-1])
+            train_seconds = float(manifest.get("train_seconds", 0.0))
+            check_resumable(manifest, identity, state_dir)
+            _say_resume(is_rank0, manifest, train, state_dir, checkpoint_dir)
+        if not steps or steps[-1] < train.max_iters:
+            spec = RunSpec(
+                cfg=cfg,
+                model_config=model_config,
+                identity=identity,
+                train_tokens=str(train_tokens),
+                valid_tokens=str(valid_tokens),
+                state_dir=str(state_dir),
+                tensorboard_dir=None if tensorboard_dir is None else str(tensorboard_dir),
+                seconds_before=train_seconds,
+                run_name=run_name,
+            )
+            launch(
+                train_rank,
+                args=(spec,),
+                world_size=train.world_size,
+                backend=backend,
+                threads_per_rank=train.threads_per_rank,
+                timeout_s=train.timeout_s,
+            )
+        if not is_rank0:
+            return []
+        published = publish(state_dir, checkpoint_dir)
+        steps = [p.stem.removeprefix("step_") for p in published]
+        listed = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-2:]])
+        log_line(
+            True,
+            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} "
+            f"(resume state: {state_dir})",
+        )
+        return published
+
+
+def _say_resume(is_rank0: bool, manifest: dict, train, state_dir: Path, checkpoint_dir) -> None:
+    """One line: the run resumes from its newest committed step, or is finished and only publishes."""
+    step, world_size = manifest["step"], train.world_size
+    if step >= train.max_iters:
+        log_line(
+            is_rank0,
+            f"the run is finished: step {step}/{train.max_iters} is committed in {state_dir}; "
+            f"nothing to train, publishing its checkpoints again to {checkpoint_dir}",
+        )
+        return
+    note = ""
+    if manifest.get("world_size") != world_size:
+        note = (
+            f" (written at world size {manifest.get('world_size')}, continued at {world_size}: the "
+            f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)"
+        )
+    log_line(is_rank0, f"resuming from step {step} in {state_dir}{note}")
