@@ -107,7 +107,8 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
     overrides (its own, shown in compare.csv) and, optionally, values (see `differing_keys`), config
     (the configuration it is a seed of; default: its name) and seed (its train.seed; default: none).
     `differs` holds, of the keys that differ between the runs, the first configuration's values of
-    them all and each other run's values where they are not the first run's.
+    them all and each other run's values where they are not the first run's (the seeds of the first
+    configuration show them all too).
     """
     rows = []
     differs = differing_keys(runs)
@@ -308,9 +309,9 @@ WRAP_SEEDED = {"run": 19, "differs": 42, "seeds": 10}  # the narrower columns of
 WITHIN_SPREAD_MARK = "~"
 
 
-def _mean_std(mean: float, std: float, digits: int = 4) -> str:
+def _mean_std(average: float, std: float, digits: int = 4) -> str:
     """'4.0812 ± 0.0123', or '4.0812' where the spread is unknown (one seed)."""
-    return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    return f"{average:.{digits}f}" if math.isnan(std) else f"{average:.{digits}f} ± {std:.{digits}f}"
 
 
 def table_cells(figures: pd.DataFrame, with_loss: bool) -> tuple[list[str], list[list[str]], list[float]]:
