@@ -300,3 +300,72 @@ def test_a_wrong_type_is_named_with_its_article(section, key, value, message):
     with pytest.raises(ConfigError) as error:
         from_dict({section: {key: value}})
     assert str(error.value) == message
+
+
+def test_seeds_repeat_every_run_once_per_seed_with_its_overrides():
+    from tinylm.config import DEFAULT_RUN, SeedRun, data_hash, run_configs, run_overrides, seed_runs
+
+    raw = raw_default()
+    raw["seeds"] = [3, 0, 7]
+    raw["runs"] = {"r1_wd0.1": {"train.lr_max": 0.003}, "same": None}
+    runs = run_configs(raw)
+    seeds = raw["seeds"]
+    expected = [f"{run}.s{seed}" for run in [DEFAULT_RUN, "r1_wd0.1", "same"] for seed in seeds]
+    assert list(runs) == [DEFAULT_RUN, *expected]
+    unseeded = run_configs({k: v for k, v in raw.items() if k != "seeds"})
+    main = unseeded[DEFAULT_RUN]
+    assert runs[DEFAULT_RUN] == main  # the main config at its own seed, for the default target
+    for name in expected:
+        run, _, seed = name.rpartition(".s")
+        cfg = runs[name]
+        assert cfg.train.seed == int(seed), name
+        assert seed_runs(raw)[name] == SeedRun(run, int(seed))
+        # Only train.seed differs from the run it repeats, so the data stages are shared.
+        assert (
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=main.train.seed))
+            == (unseeded[run])
+        )
+        assert data_hash(cfg) == data_hash(main)
+        assert run_overrides(raw)[name] == (raw["runs"].get(run) or {})
+    assert list(seed_runs(raw)) == expected
+    assert seed_runs(raw_default()) == {}
+
+
+@pytest.mark.parametrize(
+    ("seeds", "runs", "message"),
+    [
+        ([], {}, "seeds: expected a non-empty list of distinct integers >= 0"),
+        ([1, 1], {}, r"seeds: .* got \[1, 1\]"),
+        ([0, -1], {}, r"seeds: .* got \[0, -1\]"),
+        ([True], {}, r"seeds: .* got \[True\]"),
+        ([0.5], {}, r"seeds: .* got \[0.5\]"),
+        (None, {}, "seeds: .* got None"),
+        (3, {}, "seeds: .* got 3"),
+        (
+            [0, 1],
+            {"lr": {"train.lr_max": 0.01, "train.seed": 4}},
+            "runs.lr: train.seed is set here and by seeds",
+        ),
+        ([0], {"x" * 63: {}}, "runs: 'x{63}' at seeds: 0 is the run 'x{63}.s0', longer than"),
+        ([0], {"Default": {}}, "runs: 'Default.s0' and 'default.s0' name the same folder"),
+        ([0], {"lr": {"train.lr_max": -1}}, r"runs.lr: train.lr_max: -1.0 is out of range"),
+    ],
+)
+def test_bad_seeds_are_one_line_naming_the_key(seeds, runs, message):
+    from tinylm.config import run_configs
+
+    raw = raw_default()
+    raw["seeds"] = seeds
+    raw["runs"] = runs
+    with pytest.raises(ConfigError, match=message) as error:
+        run_configs(raw)
+    assert "\n" not in str(error.value)
+
+
+def test_a_config_file_with_seeds_loads_as_its_main_config(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**raw_default(), "seeds": [1, 2]}))
+    assert load_config(path) == from_dict(raw_default())
+    path.write_text(yaml.safe_dump({**raw_default(), "seeds": [1, 1]}))
+    with pytest.raises(ConfigError, match=r"sweep.yaml: seeds: .* got \[1, 1\]"):
+        load_config(path)

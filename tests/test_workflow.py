@@ -667,3 +667,24 @@ def test_editing_a_corpus_file_reruns_the_corpus_and_what_follows(tmp_path):
     assert {name: (workdir / "results" / name).read_bytes() for name in outputs} == before
     (data / "part3.txt").write_text("A new shard. " * 20)  # a new file matching the glob
     assert "corpus" in planned()
+
+
+def test_a_sweep_with_seeds_plans_each_run_once_per_seed_on_one_set_of_data(tmp_path):
+    """seeds: [0, 1] with the main config and one named run: four runs (default.s0, default.s1,
+    lr3e-2.s0, lr3e-2.s1) on one tokenizer and one set of token files. default.s0 is the main config
+    at its own seed (0), so the default target's run is that one, not a fifth."""
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    sweep = {"seeds": [0, 1], "runs": {"lr3e-2": SWEEP["runs"]["lr3e-2"]}}
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    targets = ("results/compare.csv", "results/samples.txt", "--configfile", str(workdir / "sweep.yaml"))
+    counts = planned_counts(workdir, *targets)
+    assert counts["train_tokenizer"] == 1 and counts["encode"] == 1
+    assert counts["pretrain"] == 4 and counts["evaluate"] == 4 and counts["compare"] == 1
+    # At seeds the main config is not trained at, its own run is one more.
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump({**sweep, "seeds": [1, 2]}))
+    counts = planned_counts(workdir, *targets)
+    assert counts["train_tokenizer"] == 1 and counts["pretrain"] == 5
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump({**sweep, "seeds": [1, 1]}))
+    proc = snakemake(workdir, *targets, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "tinylm: config error: seeds: " in out and "Traceback" not in out

@@ -4,7 +4,8 @@
 out-of-range values and cross-section rules such as `train.batch_size % train.world_size == 0`)
 before any stage does work. An optional `runs:` section names variants of it for sweeps, each a
 map of dotted keys to values (`lr3e-3: {train.lr_max: 0.003}`); `run_configs` validates every run
-like the main config, which is itself the run named "default".
+like the main config, which is itself the run named "default". A top-level `seeds: [0, 1, 2]`
+repeats every run once per seed, as the runs `<run>.s<seed>` (`seed_runs`).
 
 Each key is documented once, here, beside its default (`key(..., help=...)`): config/config.yaml's
 comments and config/README.md's tables are generated from these dataclasses by
@@ -25,14 +26,19 @@ from tinylm.config.runs import (
     EXECUTION_TRAIN_KEYS,
     RESULTS,
     RUN_NAME,
+    SEEDS_KEY,
+    SeedRun,
     config_hash,
     data_hash,
     default_weight_config,
     load_config,
+    read_seeds,
     run_configs,
     run_hash,
     run_overrides,
     run_state_dir,
+    seed_run_name,
+    seed_runs,
     weight_config,
 )
 from tinylm.config.sections import (
@@ -54,6 +60,7 @@ __all__ = [
     "EXECUTION_TRAIN_KEYS",
     "RESULTS",
     "RUN_NAME",
+    "SEEDS_KEY",
     "UINT16_VOCAB_LIMIT",
     "URL_WITH_SHA256",
     "Config",
@@ -64,6 +71,7 @@ __all__ = [
     "ExportConfig",
     "GenerateConfig",
     "ModelConfig",
+    "SeedRun",
     "TokenizerConfig",
     "TrainConfig",
     "config_hash",
@@ -73,10 +81,13 @@ __all__ = [
     "key",
     "load_config",
     "read_config_file",
+    "read_seeds",
     "run_configs",
     "run_hash",
     "run_overrides",
     "run_state_dir",
+    "seed_run_name",
+    "seed_runs",
     "validate",
     "weight_config",
 ]

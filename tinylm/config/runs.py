@@ -1,4 +1,5 @@
-"""Named runs (`runs:` sweeps) and the hashes and weight configs that identify a run."""
+"""Named runs (`runs:` sweeps, each repeated per seed with `seeds:`) and the hashes and weight configs that
+identify a run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tinylm.config.keys import ConfigError
 from tinylm.config.loading import from_dict, read_config_file
@@ -18,6 +19,8 @@ from tinylm.config.train import TrainConfig
 DEFAULT_RUN = "default"
 RESULTS = "results"  # where the workflow and the stages put their artifacts, relative to the project
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SEEDS_KEY = "seeds"  # the top-level key that repeats every run once per seed
+SEED_KEY = "train.seed"
 
 
 def run_configs(raw: Any) -> dict[str, Config]:
@@ -28,38 +31,63 @@ def run_configs(raw: Any) -> dict[str, Config]:
     must be a safe path component (letters, digits, `_ . -`, starting with a letter or digit, at
     most 64 characters), not "default", and distinct from the others also when case is ignored (it
     names a folder).
+
+    With `seeds: [s0, s1, ...]` (see `read_seeds`) every run, "default" included, is repeated once
+    per seed with `train.seed` set to it, as the run `<run>.s<seed>` (`seed_run_name`), in the order
+    run by run, then seed by seed. The main config stays the run "default" at its own seed, first:
+    the stages run by hand and the default target use it. A run that sets `train.seed` itself is an
+    error under `seeds:`.
     """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    seeds = read_seeds(raw)
     raw = dict(raw)
+    raw.pop(SEEDS_KEY, None)
     runs = raw.pop("runs", None) or {}
     configs = {DEFAULT_RUN: from_dict(raw)}
     if not isinstance(runs, dict):
         raise ConfigError(f"runs: expected a mapping of run names to overrides, got {runs!r}")
-    folded: dict[str, str] = {}
     for name, overrides in runs.items():
         if not isinstance(name, str) or not RUN_NAME.match(name) or name == DEFAULT_RUN:
             raise ConfigError(
                 f"runs: {name!r} is not a valid run name (letters, digits, '_', '.', '-', starting "
                 f"with a letter or digit, at most 64 characters, not {DEFAULT_RUN!r})"
             )
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
+    named: dict[str, tuple[str, dict]] = {}  # run name -> (the run of `runs:` it is, its overrides)
+    if seeds is None:
+        named = {name: (name, overrides or {}) for name, overrides in runs.items()}
+    else:
+        for run, overrides in {DEFAULT_RUN: {}, **runs}.items():
+            if SEED_KEY in (overrides or {}):
+                raise ConfigError(
+                    f"runs.{run}: {SEED_KEY} is set here and by {SEEDS_KEY}: {seeds} (under {SEEDS_KEY}: "
+                    f"every run takes each seed in turn); remove one of the two"
+                )
+            for seed in seeds:
+                name = seed_run_name(run, seed)
+                if not RUN_NAME.match(name):
+                    raise ConfigError(
+                        f"runs: {run!r} at {SEEDS_KEY}: {seed} is the run {name!r}, longer than a run "
+                        f"name may be (64 characters); shorten the run's name"
+                    )
+                named[name] = (run, {**(overrides or {}), SEED_KEY: seed})
+    folded: dict[str, str] = {}
+    for name, (run, overrides) in named.items():
         if name.lower() in folded:
             raise ConfigError(
                 f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
                 f"case-insensitive file system"
             )
         folded[name.lower()] = name
-        configs[name] = _apply_overrides(raw, name, overrides)
+        configs[name] = _apply_overrides(raw, run, overrides)
     return configs
 
 
-def _apply_overrides(raw: dict, name: str, overrides: Any) -> Config:
-    if overrides is None:
-        overrides = {}
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
+def _apply_overrides(raw: dict, name: str, overrides: dict[str, Any]) -> Config:
     merged = copy.deepcopy(raw)
     sections = [f.name for f in dataclasses.fields(Config)]
     for key, value in overrides.items():
@@ -80,9 +108,58 @@ def _apply_overrides(raw: dict, name: str, overrides: Any) -> Config:
 
 
 def run_overrides(raw: Any) -> dict[str, dict[str, Any]]:
-    """The overrides of every run (`{}` for "default"), as given in `runs:`."""
-    runs = (raw or {}).get("runs") or {}
-    return {DEFAULT_RUN: {}, **{name: dict(overrides or {}) for name, overrides in runs.items()}}
+    """The overrides of every run of `run_configs` (`{}` for "default"), as given in `runs:`.
+
+    A seeded run `<run>.s<seed>` has its run's overrides; its `train.seed` is not listed (see
+    `seed_runs`).
+    """
+    runs = {name: dict(overrides or {}) for name, overrides in ((raw or {}).get("runs") or {}).items()}
+    seeded = {name: runs.get(run.config, {}) for name, run in seed_runs(raw).items()}
+    return {DEFAULT_RUN: {}, **(seeded or runs)}
+
+
+def read_seeds(raw: Any) -> list[int] | None:
+    """The `seeds:` of a raw config, checked: None when it has none, else a non-empty list of distinct
+    integers >= 0. Anything else is a ConfigError of one line naming `seeds`."""
+    if not isinstance(raw, dict) or SEEDS_KEY not in raw:
+        return None
+    seeds = raw[SEEDS_KEY]
+    ok = (
+        isinstance(seeds, list)
+        and len(seeds) > 0
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        and len(set(seeds)) == len(seeds)
+    )
+    if not ok:
+        raise ConfigError(
+            f"{SEEDS_KEY}: expected a non-empty list of distinct integers >= 0 (each run is trained once "
+            f"per seed), got {seeds!r}"
+        )
+    return list(seeds)
+
+
+class SeedRun(NamedTuple):
+    """A run of a sweep with `seeds:`: the run it repeats (its configuration) and its `train.seed`."""
+
+    config: str
+    seed: int
+
+
+def seed_run_name(run: str, seed: int) -> str:
+    """The name of `run` at `seed` under `seeds:`: `<run>.s<seed>` ("default.s0", "r1_wd0.1.s2")."""
+    return f"{run}.s{seed}"
+
+
+def seed_runs(raw: Any) -> dict[str, SeedRun]:
+    """The seeded runs of a raw config in `run_configs`' order, by name; {} without `seeds:`.
+
+    The names are not checked here: `run_configs` does that.
+    """
+    seeds = read_seeds(raw)
+    if seeds is None:
+        return {}
+    runs = [DEFAULT_RUN, *(raw.get("runs") or {})]
+    return {seed_run_name(run, seed): SeedRun(run, seed) for run in runs for seed in seeds}
 
 
 def config_hash(*sections: Any) -> str:

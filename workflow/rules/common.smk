@@ -10,13 +10,20 @@ from tinylm.corpus.readers import matching_files
 # sections equal the main config's use results/corpus, results/tokenizer and results/tokens;
 # other data lives in results/data/<data hash>/. Rules match these prefixes with the wildcards
 # {run_dir} ("" or "runs/<name>/") and {data_dir} ("" or "data/<hash>/").
+# Under `seeds:`, the run default.s<seed> at the main config's own seed is the main config's run
+# itself (the same config): it is trained once, in results/, for the default target and the sweep.
 wildcard_constraints:
     run_dir=r"(runs/[A-Za-z0-9][A-Za-z0-9_.-]*/)?",
     data_dir=r"(data/[0-9a-f]{16}/)?",
 
 
+MAIN_RUNS = {DEFAULT_RUN} | {
+    run for run, seeded in SEEDED.items() if seeded == (DEFAULT_RUN, RUNS[DEFAULT_RUN].train.seed)
+}
+
+
 def run_dir(run):
-    return "" if run == DEFAULT_RUN else f"runs/{run}/"
+    return "" if run in MAIN_RUNS else f"runs/{run}/"
 
 
 def data_dir(cfg):
@@ -24,7 +31,9 @@ def data_dir(cfg):
     return "" if h == data_hash(RUNS[DEFAULT_RUN]) else f"data/{h}/"
 
 
-RUN_OF = {run_dir(run): run for run in RUNS}
+RUN_OF = {}  # run dir -> its run ("" -> "default", which comes first)
+for _run in RUNS:
+    RUN_OF.setdefault(run_dir(_run), _run)
 DATA_OF = {}  # data dir -> the config of the first run that uses it
 for _cfg in RUNS.values():
     DATA_OF.setdefault(data_dir(_cfg), _cfg)
