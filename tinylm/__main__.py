@@ -223,7 +223,7 @@ def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     except json.JSONDecodeError as e:
         raise ValueError(f"--runs-json: not valid JSON: {e}") from None
     table = compare_runs(runs)
-    write_compare(table, args.output, args.plot)
+    write_compare(table, args.output, args.plot, args.seeds_output)
     print(markdown_table(final_figures(table)), file=sys.stderr)
 
 
@@ -348,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(values: each run's value of every key that some run overrides)",
     )
     p.add_argument("--output", default=f"{RESULTS}/compare.csv")
+    p.add_argument(
+        "--seeds-output",
+        default=None,
+        help="each configuration's mean and spread over its seeds (default: <output stem>_seeds.csv beside "
+        "--output)",
+    )
     p.add_argument("--plot", default=f"{RESULTS}/compare.png")
 
     about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"

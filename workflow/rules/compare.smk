@@ -17,7 +17,6 @@ COMPARED = [
 ]
 
 
-# compare_seeds.csv is not on the command line: `tinylm compare` writes it beside --output.
 rule compare:
     input:
         evals=[run["eval"] for run in COMPARED],
@@ -34,4 +33,5 @@ rule compare:
         "results/logs/compare.log",
     threads: 1
     shell:
-        "python -m tinylm compare --runs-json {params.runs:q} --output {output.table} --plot {output.plot} 2> {log}"
+        "python -m tinylm compare --runs-json {params.runs:q} --output {output.table}"
+        " --seeds-output {output.seeds} --plot {output.plot} 2> {log}"
