@@ -74,19 +74,24 @@ def gradient_clip(parameters: Iterable[torch.Tensor], max_norm: float, eps: floa
 
     The norm is taken over all gradients together, as if they were one vector. If it exceeds
     max_norm every gradient is multiplied by max_norm / (norm + eps), otherwise left unchanged.
-    Parameters without a gradient are skipped. Returns the norm before clipping (a 0-d tensor).
+    Parameters without a gradient are skipped (they add 0). Returns the norm before clipping (a 0-d
+    tensor).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total_norm = squared_norms(grads).sum().sqrt()
+    total_norm = squared_norms([p.grad for p in params], grads[0].device).sum().sqrt()
     scale_to_norm(grads, total_norm, max_norm, eps)
     return total_norm
 
 
-def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """[len(grads)] float32: the squared L2 norm of each tensor (summed in float32 at least)."""
-    return torch.stack([g.float().pow(2).sum() for g in grads])
+def squared_norms(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """[len(grads)] float32 on `device`: the squared L2 norm of each tensor (summed in float32 at
+    least), 0 for None. One vector of the same length whichever gradients are present, so that a
+    sum over it does not depend on where the zeros came from (see ShardedOptimizer.clip_grad_norm_)."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([zero if g is None else g.float().pow(2).sum() for g in grads])
 
 
 @torch.no_grad()

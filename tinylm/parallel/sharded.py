@@ -134,26 +134,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Collective: clip by the global gradient norm exactly as `nn_utils.gradient_clip(parameters, ...)`
         does, each gradient read on its owner only; returns the norm before clipping (the same on every rank).
 
-        Each owner writes the squared norms of its parameters' gradients, and a mark that they have one,
-        into a [2, len(parameters)] tensor (zeros elsewhere); one all-reduce of it (8 bytes per parameter
-        tensor) gives every rank all of them exactly (x + 0 = x), so the norm is summed over the same
-        values in the same order as `gradient_clip` would, at any world size: bit for bit as unsharded.
+        Each rank writes the squared norms of the gradients it owns into a vector over `parameters`
+        (zeros elsewhere, and for parameters without a gradient); one all-reduce of it (4 bytes per
+        parameter tensor) gives every rank the vector gradient_clip sums (x + 0 = x), so the norm is
+        bit for bit the unsharded one at any world size. No index is built and nothing is read on
+        the host: no device sync.
         """
         params = list(parameters)
-        # Row 0: each owned gradient's squared norm; row 1: 1 where its owner has a gradient at all.
-        summed = torch.zeros(2, len(params), dtype=torch.float32, device=params[0].device)
-        mine = [i for i, p in enumerate(params) if self.owner.get(p) == self.rank and p.grad is not None]
-        grads = [params[i].grad for i in mine]
-        if grads:
-            summed[0, mine] = squared_norms(grads)
-            summed[1, mine] = 1.0
+        mine = [p.grad if self.owner.get(p) == self.rank else None for p in params]
+        summed = squared_norms(mine, params[0].device)
         if self.world_size > 1:
             dist.all_reduce(summed)
-        total_norm = (
-            summed[0, summed[1] > 0].sum().sqrt()
-        )  # the squares of gradient_clip's stack, in its order
-        if grads:
-            scale_to_norm(grads, total_norm, max_norm, eps)
+        total_norm = summed.sum().sqrt()
+        owned = [g for g in mine if g is not None]
+        if owned:
+            scale_to_norm(owned, total_norm, max_norm, eps)
         return total_norm
 
     @torch.no_grad()
