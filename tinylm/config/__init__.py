@@ -34,6 +34,7 @@ from tinylm.config.runs import (
     weight_config,
 )
 from tinylm.config.sections import (
+    MODEL_OPTION_KEYS,
     Config,
     CorpusConfig,
     EncodeConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_RUN",
     "DEFAULT_VALID_PLAYS",
     "EXECUTION_TRAIN_KEYS",
+    "MODEL_OPTION_KEYS",
     "OPTIMIZER_CHOICE_KEYS",
     "RUN_NAME",
     "UINT16_VOCAB_LIMIT",
