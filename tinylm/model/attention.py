@@ -127,7 +127,7 @@ class CausalSelfAttention(nn.Module):
             qk = torch.stack((self.q_norm(q), self.k_norm(k)))
         if self.value_embedding is not None:
             ve = self.value_embedding(token_ids).view(B, T, self.num_heads, self.d_head).transpose(1, 2)
-            v = v + (self.value_gate * ve).to(v.dtype)  # in v's dtype under autocast
+            v = v + self.value_gate * ve
         dropout_p = self.dropout if self.training else 0.0
         if kv_cache is not None:
             out = self._attend_cached(qk, v, kv_cache, layer, dropout_p)
