@@ -388,6 +388,14 @@ def test_dropout_differs_run_to_run_in_training_and_is_off_in_eval():
 # ---------------------------------------------------------------- compile and autocast
 
 
+def test_the_forward_with_every_option_compiles_as_one_graph():
+    """No option adds a branch the compiler cannot see through (fullgraph: a graph break is an error)."""
+    model = jitter(build(**ALL_ON)).eval()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    ids = token_ids()
+    torch.testing.assert_close(compiled(ids), model(ids))
+
+
 @pytest.mark.slow
 def test_compiled_blocks_give_the_eager_logits_and_gradients_with_every_option():
     eager = jitter(build(**ALL_ON)).eval()  # eval: the dropout masks of eager and compiled code differ

@@ -8,8 +8,8 @@ Two paths compute the same numbers:
 
 With a KVCache (generation), the new positions' keys and values are appended to those of the
 positions before them, and the new queries attend to all of them; without one (training), nothing
-of this runs. The options (QK-norm, value embeddings, attention dropout) act on the new positions'
-queries, keys and values before either path, so both see them.
+of this runs. QK-norm and value embeddings act on the new positions' queries, keys and values
+before the two part ways, so training and the cache both see them.
 """
 
 from __future__ import annotations
