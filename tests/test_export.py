@@ -8,6 +8,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may reach the hub
 
+import json
 import random
 import subprocess
 import sys
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SPECIALS, mixed_text
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import MODEL, SPECIALS, mixed_text
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from tinylm.checkpoint import CheckpointError, load_model
@@ -292,4 +293,76 @@ def test_the_cli_refuses_a_model_of_another_vocabulary(tiny_lm, tmp_path, out):
         and "model vocabulary 400 differs from the tokenizer's 320" in proc.stderr
         and "Traceback" not in proc.stderr
     ), proc.stderr
+    assert_nothing_written(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# model options: held by the folder, or refused naming the key
+
+
+def option_model(**options) -> Transformer:
+    """A model of the tiny tokenizer's vocabulary with `options`, every weight moved off its
+    initialisation (RMSNorm gains off 1, so a q_norm gain in the wrong order would show)."""
+    torch.manual_seed(0)
+    model = Transformer(**{**MODEL, **options})
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+EXPORTABLE = [
+    {"tie_embeddings": True},
+    {"qk_norm": True},
+    {"embedding_norm": True},
+    {
+        "tie_embeddings": True,
+        "embedding_norm": True,
+        "qk_norm": True,
+        "zero_init_output": True,
+        "dropout": 0.1,
+    },
+]
+
+
+@pytest.mark.parametrize("options", EXPORTABLE, ids=lambda options: ",".join(options))
+def test_a_model_with_options_exports_and_transformers_computes_our_logits(tiny_lm, tmp_path, options):
+    model = option_model(**options)
+    ckpt = publish(tmp_path, {"model": model.state_dict(), "model_config": model.config})
+    out = export_hf(ckpt, tiny_lm["tokenizer"], tmp_path / "hf")
+    hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf_model) is (Qwen3ForCausalLM if options.get("qk_norm") else LlamaForCausalLM)
+    # The folded embedding RMSNorm makes the input table differ from the head: then untied.
+    tied = options.get("tie_embeddings", False) and not options.get("embedding_norm", False)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied
+    assert (hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()) is tied
+    model.eval()
+    ids = torch.randint(
+        model.vocab_size, (2, model.context_length), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        expected = model(ids)
+        assert (hf_model(ids).logits - expected).abs().max() <= 1e-4
+    assert expected.std() > 0.1  # far from uniform: the weights matter
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("mlp", "relu2"), ("logit_softcap", 15.0), ("value_embeddings", True)]
+)
+def test_an_option_a_llama_folder_cannot_hold_is_refused_naming_the_key(tiny_lm, tmp_path, out, key, value):
+    model = option_model(**{key: value})
+    ckpt = publish(tmp_path, {"model": model.state_dict(), "model_config": model.config})
+    with pytest.raises(
+        ExportError, match=rf"^model\.{key}: a Llama folder cannot hold it \(.*\); export a model without it$"
+    ):
+        export_hf(ckpt, tiny_lm["tokenizer"], out)
+    assert_nothing_written(out)
+
+
+def test_the_folded_embedding_norm_is_exported_in_float32_only(tiny_lm, tmp_path, out):
+    model = option_model(embedding_norm=True)
+    ckpt = publish(tmp_path, {"model": model.state_dict(), "model_config": model.config})
+    with pytest.raises(ExportError, match=r"^model\.embedding_norm: .* export with dtype float32$"):
+        export_hf(ckpt, tiny_lm["tokenizer"], out, dtype="bfloat16")
     assert_nothing_written(out)

@@ -247,7 +247,17 @@ def test_parameter_names_and_config_rebuild_the_model():
         for part in ("ln1", "attn.qkv_proj", "attn.output_proj", "ln2", "ffn.w1", "ffn.w2", "ffn.w3"):
             expected.add(f"layers.{i}.{part}.weight")
     assert names == expected
-    assert model.config == {**TINY, "rope_theta": 500.0}
+    options_off = dict(
+        qk_norm=False,
+        mlp="swiglu",
+        logit_softcap=None,
+        zero_init_output=False,
+        tie_embeddings=False,
+        value_embeddings=False,
+        dropout=0.0,
+        embedding_norm=False,
+    )
+    assert model.config == {**TINY, "rope_theta": 500.0, **options_off}
     rebuilt = Transformer(**model.config)
     rebuilt.load_state_dict(model.state_dict())
     ids = torch.randint(0, TINY["vocab_size"], (2, 9))

@@ -1,7 +1,8 @@
 """Hugging Face export: a published checkpoint and its tokenizer as a transformers Llama folder.
 
     results/hf/
-      config.json              LlamaForCausalLM: sizes, rope_theta, rms_norm_eps, token ids, dtype
+      config.json              LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm): sizes,
+                               rope_theta, rms_norm_eps, tie_word_embeddings, token ids, dtype
       model.safetensors        the weights under Llama's names (qkv split, q and k rows permuted)
       tokenizer.json           byte-level BPE: our vocabulary and merges, the GPT-2 regex, our
                                special tokens as added tokens
@@ -10,14 +11,25 @@
       generation_config.json   the <|endoftext|> id as bos, eos and pad
 
 `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it
-with no code of ours. The architectures are the same (pre-norm RMSNorm, RoPE, SwiGLU, untied head,
-no biases); two layouts differ:
+with no code of ours. The architectures are the same (pre-norm RMSNorm, RoPE, SwiGLU, no biases);
+two layouts differ:
 
 - our fused qkv_proj (q, k and v weights stacked) becomes q_proj, k_proj and v_proj;
 - RoPE pairs: ours rotates consecutive features (x[2i], x[2i+1]) of a head by the angle
   p * theta^(-2i / d_head); Llama rotates (x[i], x[i + d_head / 2]) by that same angle. Reordering
   the rows of each head of q_proj and k_proj (new row i = old row 2i, new row d_head / 2 + i = old
   row 2i + 1) turns one into the other; q . k is unchanged because q and k are reordered alike.
+
+The model options (tinylm.model.Transformer) map as follows:
+
+- qk_norm: a Qwen3 folder, which is Llama with an RMSNorm of each head's queries and keys before
+  RoPE (q_norm, k_norm); their gains are reordered like the rows of q_proj and k_proj;
+- tie_embeddings: `tie_word_embeddings: true` (and no lm_head.weight in the file);
+- embedding_norm: folded into the embedding table, since the RMSNorm of a looked-up row is the
+  lookup of the normalised row (with tie_embeddings the folder is then untied: the head keeps the
+  plain matrix); float32 only, as a rounded normalised table is not our model with rounded weights;
+- zero_init_output and dropout: nothing (an initialisation; off at inference);
+- mlp relu2, logit_softcap and value_embeddings have no place in a Llama folder: refused.
 
 The <|endoftext|> token, which starts every document after the first, serves as BOS and EOS.
 
@@ -51,6 +63,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # absolute). A wrong layout is off by O(1).
 PROBE_TEXT = "Hello, world!  It's 2024:\n\n\tnaïve café, 日本語, привет, 🙂👍🏽   spaces\r\n"
 LOGITS_RTOL = 1e-3
+# Model options a Llama (or Qwen3) folder cannot hold, with the value a model must have to be exported.
+UNEXPORTABLE = {"mlp": "swiglu", "logit_softcap": None, "value_embeddings": False}
 
 
 class ExportError(ValueError):
@@ -75,6 +89,7 @@ def export_hf(
         raise ExportError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     tokenizer = Tokenizer.load(tokenizer_path)
     model, step = load_model(checkpoint_dir, step, tokenizer=tokenizer)
+    model.eval()  # no dropout
     where = f"{Path(checkpoint_dir) / f'step_{step}.pt'} with {tokenizer_path}"
     if END_OF_TEXT not in tokenizer.special_ids:
         raise ExportError(f"{tokenizer_path}: has no {END_OF_TEXT} special token (bos and eos of the export)")
@@ -109,11 +124,37 @@ def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.view(num_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(d_out, d_in)
 
 
+def check_exportable(config: dict[str, Any]) -> None:
+    """Refuse a model config with an option that a Llama folder cannot hold, naming the key."""
+    for key, plain in UNEXPORTABLE.items():
+        if config.get(key, plain) != plain:
+            raise ExportError(
+                f"model.{key}: a Llama folder cannot hold it ({config[key]!r}); export a model without it"
+            )
+
+
+def tied_in_folder(config: dict[str, Any]) -> bool:
+    """Whether the folder ties its head to embed_tokens: tied models, unless the embedding RMSNorm
+    is folded into embed_tokens (then the head keeps the plain matrix)."""
+    return config["tie_embeddings"] and not config["embedding_norm"]
+
+
 def llama_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Our weights under LlamaForCausalLM's names and layout (see the module docstring), in `dtype`."""
+    """Our weights under LlamaForCausalLM's names and layout (Qwen3ForCausalLM's with qk_norm; see the
+    module docstring), in `dtype`."""
+    check_exportable(model.config)
     ours = model.state_dict()
     num_heads = model.config["num_heads"]
-    out = {"model.embed_tokens.weight": ours["token_embeddings.weight"]}
+    embeddings = ours["token_embeddings.weight"]
+    if model.embedding_norm is not None:
+        if dtype != torch.float32:  # rounding the normalised table is not rounding our weights
+            raise ExportError(
+                "model.embedding_norm: folded into the embedding table it is exact in float32 only; "
+                "export with dtype float32"
+            )
+        with torch.no_grad():
+            embeddings = model.embedding_norm(embeddings)  # each row normalised as the lookup would be
+    out = {"model.embed_tokens.weight": embeddings}
     for i in range(model.config["num_layers"]):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = ours[src + "attn.qkv_proj.weight"].chunk(3, dim=0)
@@ -121,13 +162,18 @@ def llama_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> 
         out[dst + "self_attn.k_proj.weight"] = interleaved_to_halves(k, num_heads)
         out[dst + "self_attn.v_proj.weight"] = v
         out[dst + "self_attn.o_proj.weight"] = ours[src + "attn.output_proj.weight"]
+        if model.config["qk_norm"]:  # a gain per feature of the head: reordered as q's and k's rows
+            for name in ("q_norm", "k_norm"):
+                gain = ours[src + f"attn.{name}.weight"]
+                out[dst + f"self_attn.{name}.weight"] = interleaved_to_halves(gain[:, None], 1)[:, 0]
         out[dst + "mlp.gate_proj.weight"] = ours[src + "ffn.w1.weight"]  # silu(gate(x)) * up(x)
         out[dst + "mlp.up_proj.weight"] = ours[src + "ffn.w3.weight"]
         out[dst + "mlp.down_proj.weight"] = ours[src + "ffn.w2.weight"]
         out[dst + "input_layernorm.weight"] = ours[src + "ln1.weight"]
         out[dst + "post_attention_layernorm.weight"] = ours[src + "ln2.weight"]
     out["model.norm.weight"] = ours["ln_final.weight"]
-    out["lm_head.weight"] = ours["lm_head.weight"]
+    if not tied_in_folder(model.config):
+        out["lm_head.weight"] = ours["lm_head.weight"]
     # Own, contiguous storage for each (safetensors refuses views that share memory).
     return {
         name: t.detach().to(dtype).clone(memory_format=torch.contiguous_format) for name, t in out.items()
@@ -202,12 +248,15 @@ def hf_configs(model: Transformer, tokenizer: Tokenizer, dtype: str) -> dict[str
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied_in_folder(c),
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if c["qk_norm"]:  # Qwen3: Llama with q_norm and k_norm, and no mlp_bias key
+        del config["mlp_bias"]
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,

@@ -75,10 +75,12 @@ def load_model(
     with CheckpointReader(path, entry) as reader:
         saved = reader.structure
         config = saved.get("model_config") if isinstance(saved, dict) else None
-        expected = set(Transformer.CONFIG_KEYS)
-        if not isinstance(config, dict) or not set(config) <= expected or "vocab_size" not in config:
+        # A key left out (a model option the checkpoint's trainer did not have) is at its default.
+        known, required = set(Transformer.CONFIG_KEYS), set(Transformer.REQUIRED_KEYS)
+        if not isinstance(config, dict) or not required <= set(config) <= known:
             raise CheckpointError(
-                f"{path}: model_config {config!r} is not a Transformer config (keys among {sorted(expected)})"
+                f"{path}: model_config {config!r} does not hold the keys {sorted(required)} (and any of "
+                f"{sorted(known - required)}) and no others"
             )
         if not isinstance(saved.get("model"), dict):
             raise CheckpointError(f"checkpoint {path} lacks the entry 'model'")
@@ -137,6 +139,8 @@ def _uninitialised_model(config: dict[str, Any], dtype: torch.dtype | None) -> T
     with torch.device("meta"):
         model = Transformer(**config, dtype=dtype)
     model.to_empty(device="cpu")
+    if model.config["tie_embeddings"]:  # to_empty gave each module a tensor of its own
+        model.token_embeddings.weight = model.lm_head.weight
     tables = RotaryEmbedding(model.rope.theta, model.rope.d_k, model.rope.max_seq_len)
     model.rope.cos.copy_(tables.cos)
     model.rope.sin.copy_(tables.sin)

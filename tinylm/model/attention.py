@@ -8,7 +8,8 @@ Two paths compute the same numbers:
 
 With a KVCache (generation), the new positions' keys and values are appended to those of the
 positions before them, and the new queries attend to all of them; without one (training), nothing
-of this runs.
+of this runs. QK-norm and value embeddings act on the new positions' queries, keys and values
+before the two part ways, so training and the cache both see them.
 """
 
 from __future__ import annotations
@@ -20,23 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm.model.kv_cache import KVCache
-from tinylm.model.layers import Linear, RotaryEmbedding
+from tinylm.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from tinylm.nn_utils import softmax
 
 
 def scaled_dot_product_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Reference attention: softmax(q k^T / sqrt(d_k), masked) v.
+    """Reference attention: dropout(softmax(q k^T / sqrt(d_k), masked)) v.
 
     q: [..., T_q, d_k], k: [..., T_k, d_k], v: [..., T_k, d_v]; mask: bool, broadcastable to
-    [..., T_q, T_k], True where a query may attend to a key. Returns [..., T_q, d_v].
+    [..., T_q, T_k], True where a query may attend to a key. With dropout_p > 0 each attention
+    probability is zeroed with probability dropout_p and the rest scaled by 1 / (1 - dropout_p).
+    Returns [..., T_q, d_v].
     """
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return softmax(scores, dim=-1) @ v
+    probs = softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:
@@ -53,6 +63,15 @@ class CausalSelfAttention(nn.Module):
     `use_fast_attention` picks the fused PyTorch kernel (default) or the reference path.
     With `kv_cache`, x holds positions kv_cache.length .. kv_cache.length + T - 1, and this layer
     (number `layer`) appends their keys and values to the cache.
+
+    Options, all off by default (then there are no parameters beyond the two projections):
+    - qk_norm: q_norm and k_norm, RMSNorms with a learned gain [d_head], normalise each head's
+      queries and keys [B, H, T, d_head] before RoPE;
+    - vocab_size: a value-embedding table value_embedding [vocab_size, d_model] and a learned scalar
+      value_gate (initialised to 0.5): v <- v + value_gate * value_embedding(token_ids), the
+      [B, T, d_model] rows split into heads like v [B, H, T, d_head]; forward then needs token_ids
+      [B, T], the ids of the positions of x;
+    - dropout: the probability of zeroing an attention probability, in training mode only.
     """
 
     def __init__(
@@ -61,6 +80,9 @@ class CausalSelfAttention(nn.Module):
         num_heads: int,
         rope: RotaryEmbedding | None = None,
         use_fast_attention: bool = True,
+        qk_norm: bool = False,
+        vocab_size: int | None = None,
+        dropout: float = 0.0,
         device=None,
         dtype=None,
     ):
@@ -72,10 +94,27 @@ class CausalSelfAttention(nn.Module):
         self.d_head = d_model // num_heads
         self.rope = rope
         self.use_fast_attention = use_fast_attention
+        self.dropout = dropout
         self.qkv_proj = Linear(d_model, 3 * d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            # QK-norm (Henry et al. 2020; as in OLMo 2, Qwen3, nanochat and the nanoGPT speedrun).
+            self.q_norm = RMSNorm(self.d_head, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(self.d_head, device=device, dtype=dtype)
+        self.value_embedding = self.value_gate = None
+        if vocab_size is not None:
+            # Value embeddings (modded-nanogpt speedrun, nanochat; cf. ResFormer, Zhou et al. 2024).
+            self.value_embedding = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+            self.value_gate = nn.Parameter(torch.full((), 0.5, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.d_head)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, num_heads, T, d_head]
@@ -83,21 +122,29 @@ class CausalSelfAttention(nn.Module):
         # place without first filling a zero tensor the size of qkv.
         qk, v = qkv.split([2, 1])
         v = v.squeeze(0)
+        if self.q_norm is not None:
+            q, k = qk.unbind(0)
+            qk = torch.stack((self.q_norm(q), self.k_norm(k)))
+        if self.value_embedding is not None:
+            ve = self.value_embedding(token_ids).view(B, T, self.num_heads, self.d_head).transpose(1, 2)
+            v = v + self.value_gate * ve
+        dropout_p = self.dropout if self.training else 0.0
         if kv_cache is not None:
-            out = self._attend_cached(qk, v, kv_cache, layer)
+            out = self._attend_cached(qk, v, kv_cache, layer, dropout_p)
         else:
             if self.rope is not None:
                 qk = self.rope(qk)  # q and k rotated in one call, positions 0 .. T-1
             q, k = qk.unbind(0)
             if self.use_fast_attention:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
             else:
-                out = scaled_dot_product_attention(q, k, v, mask=causal_mask(T, device=x.device))
+                mask = causal_mask(T, device=x.device)
+                out = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p)
         out = out.transpose(1, 2).reshape(B, T, self.d_model)  # heads side by side again
         return self.output_proj(out)
 
     def _attend_cached(
-        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int, dropout_p: float
     ) -> torch.Tensor:
         """Attention of T new positions (qk [2, B, H, T, d_head], v) to themselves and the cached ones."""
         start, T = kv_cache.length, qk.shape[-2]
@@ -114,5 +161,5 @@ class CausalSelfAttention(nn.Module):
                 <= torch.arange(start, start + T, device=qk.device)[:, None]
             )
         if self.use_fast_attention:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return scaled_dot_product_attention(q, k, v, mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p)

@@ -96,6 +96,22 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Primer (So et al. 2021, "Searching for Efficient Transformers"); the nanoGPT speedrun and nanochat use it.
+class ReLUSquared(nn.Module):
+    """The ReLU-squared feed-forward network: w_out( relu(w_in x)^2 ).
+
+    w_in: d_model -> d_hidden; w_out: d_hidden -> d_model. forward: [..., d_model] -> [..., d_model].
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, device=None, dtype=None):
+        super().__init__()
+        self.w_in = Linear(d_model, d_hidden, device=device, dtype=dtype)
+        self.w_out = Linear(d_hidden, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(F.relu(self.w_in(x)).square())
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE), interleaved-pairs formulation (as in the RoFormer paper).
 

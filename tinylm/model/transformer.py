@@ -3,7 +3,12 @@
     token_embeddings -> num_layers x TransformerBlock -> ln_final (RMSNorm) -> lm_head (Linear)
 
 Each block is pre-norm: x = x + attn(ln1(x)); x = x + ffn(ln2(x)). Positions enter only through RoPE
-inside attention; the output head is not tied to the embeddings.
+inside attention; the output head is not tied to the embeddings (unless tie_embeddings).
+
+Recipe options from recent small-model pretraining work (the nanoGPT speedrun, nanochat, OLMo 2,
+Gemma 2), each off by default; with all of them off the model is the one above, parameter for
+parameter and draw for draw: qk_norm, mlp="relu2", logit_softcap, zero_init_output,
+tie_embeddings, value_embeddings, dropout and embedding_norm (see Transformer).
 
 For generation, `forward(ids, kv_cache=cache)` runs only the new positions and keeps the keys and
 values of the earlier ones in a KVCache (see kv_cache.py); training never passes one.
@@ -18,11 +23,43 @@ from torch import nn
 
 from tinylm.model.attention import CausalSelfAttention
 from tinylm.model.kv_cache import KVCache
-from tinylm.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tinylm.model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
+
+MLP_CHOICES = ("swiglu", "relu2")
+
+
+def relu2_hidden_width(d_ff: int) -> int:
+    """The ReLU² MLP's hidden width for a SwiGLU width d_ff: 3/2 d_ff, rounded up.
+
+    Two matrices of d_model x 3/2 d_ff hold as many parameters (and cost as many FLOPs) as SwiGLU's
+    three of d_model x d_ff.
+    """
+    return (3 * d_ff + 1) // 2
+
+
+def check_options(
+    num_layers: int, mlp: str, logit_softcap: float | None, value_embeddings: bool, dropout: float
+) -> None:
+    """Refuse option values the model cannot be built with; the message names the key."""
+    if mlp not in MLP_CHOICES:
+        raise ValueError(f"mlp: {mlp!r} is not one of {list(MLP_CHOICES)}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap: {logit_softcap!r} must be > 0 (or None: no cap)")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout: {dropout!r} must be in [0, 1)")
+    if value_embeddings and num_layers < 2:
+        raise ValueError(f"value_embeddings: needs num_layers >= 2 (got {num_layers})")
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: causal self-attention then SwiGLU, each with a residual. [B, T, d_model] -> same."""
+    """Pre-norm block: causal self-attention then the MLP, each with a residual. [B, T, d_model] -> same.
+
+    mlp: "swiglu" (SwiGLU of width d_ff) or "relu2" (ReLUSquared of width relu2_hidden_width(d_ff)).
+    dropout: on each residual branch's output (and on the attention probabilities), in training
+    mode only. zero_init_output: the attention output projection and the MLP's down projection
+    start at zero. vocab_size: give this block value embeddings (see CausalSelfAttention); forward
+    then needs the token ids [B, T] of x's positions.
+    """
 
     def __init__(
         self,
@@ -30,18 +67,49 @@ class TransformerBlock(nn.Module):
         num_heads: int,
         d_ff: int,
         rope: RotaryEmbedding | None = None,
+        qk_norm: bool = False,
+        mlp: str = "swiglu",
+        zero_init_output: bool = False,
+        vocab_size: int | None = None,
+        dropout: float = 0.0,
         device=None,
         dtype=None,
     ):
         super().__init__()
         self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.attn = CausalSelfAttention(d_model, num_heads, rope=rope, device=device, dtype=dtype)
+        self.attn = CausalSelfAttention(
+            d_model,
+            num_heads,
+            rope=rope,
+            qk_norm=qk_norm,
+            vocab_size=vocab_size,
+            dropout=dropout,
+            device=device,
+            dtype=dtype,
+        )
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        if mlp == "swiglu":
+            self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+            down_proj = self.ffn.w2
+        else:
+            self.ffn = ReLUSquared(d_model, relu2_hidden_width(d_ff), device=device, dtype=dtype)
+            down_proj = self.ffn.w_out
+        self.dropout = nn.Dropout(dropout)
+        if zero_init_output:
+            # Zero-init of the residual branches' last projections (nanoGPT speedrun, nanochat; muP).
+            # Drawn as usual first, then zeroed: every other parameter starts as without the option.
+            nn.init.zeros_(self.attn.output_proj.weight)
+            nn.init.zeros_(down_proj.weight)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), kv_cache, layer)
-        return x + self.ffn(self.ln2(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x), kv_cache, layer, token_ids))
+        return x + self.dropout(self.ffn(self.ln2(x)))
 
 
 class Transformer(nn.Module):
@@ -52,8 +120,32 @@ class Transformer(nn.Module):
     `kv_cache` (from `new_kv_cache`), the ids are the positions after the kv_cache.length cached
     ones, and logits[:, t] see the cached positions too.
 
-    `model.config` holds the constructor's numbers, so `Transformer(**model.config)` rebuilds the same
+    `model.config` holds the constructor's values, so `Transformer(**model.config)` rebuilds the same
     architecture (e.g. from a checkpoint). One RotaryEmbedding (cos/sin cache) is shared by all layers.
+
+    Options (all off by default, and then the model is exactly the plain one):
+    - qk_norm: RMSNorm (learned gain [d_head]) of each head's queries and keys, before RoPE;
+    - mlp: "swiglu" or "relu2", the ReLU² MLP w_out(relu(w_in x)^2) of hidden width 3/2 d_ff
+      (rounded up), as many parameters and FLOPs as the SwiGLU of width d_ff;
+    - logit_softcap: logits = cap * tanh(logits / cap), so every consumer sees capped logits
+      (computed in at least float32, returned in the logits' dtype); must be > 0 when set;
+    - zero_init_output: each block's attention output projection and MLP down projection start at 0;
+    - tie_embeddings: lm_head.weight is token_embeddings.weight, one [vocab_size, d_model] parameter.
+      The shared matrix starts with the head's initialisation (truncated normal, std
+      sqrt(2 / (d_model + vocab_size)), about GPT-2's 0.02), not the embedding's std 1: as a head,
+      std-1 rows would give logits of std sqrt(d_model) at the start. The embedding's own draw is
+      made and dropped, so every other parameter starts as in the untied model;
+    - value_embeddings: layers i with i % 2 == (num_layers - 1) % 2 (every other layer, the last one
+      included, as nanochat chooses) each get a table [vocab_size, d_model] and a scalar gate
+      (init 0.5): v <- v + gate * table[ids], split into heads like v. Needs num_layers >= 2;
+    - dropout: in [0, 1), on the attention probabilities and on each residual branch's output, in
+      training mode only (model.eval() turns it off). Its masks come from the torch generator of
+      the process (each rank's is seeded seed + rank), so unlike the rest of training dropout is
+      not invariant to the world size (nor to grad_accum_steps or compilation): another layout
+      draws other masks. A resume at the same world size stays bit-identical (the RNG states are
+      checkpointed);
+    - embedding_norm: RMSNorm (learned gain [d_model]) of the token embeddings, before the first
+      block.
     """
 
     def __init__(
@@ -65,32 +157,54 @@ class Transformer(nn.Module):
         num_heads: int,
         d_ff: int,
         rope_theta: float = 10000.0,
+        qk_norm: bool = False,
+        mlp: str = "swiglu",
+        logit_softcap: float | None = None,
+        zero_init_output: bool = False,
+        tie_embeddings: bool = False,
+        value_embeddings: bool = False,
+        dropout: float = 0.0,
+        embedding_norm: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
-        self.config = dict(
-            vocab_size=vocab_size,
-            context_length=context_length,
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            rope_theta=rope_theta,
-        )
+        check_options(num_layers, mlp, logit_softcap, value_embeddings, dropout)
+        # Every constructor argument but device and dtype: Transformer(**model.config) rebuilds it.
+        self.config = {name: value for name, value in locals().items() if name in Transformer.CONFIG_KEYS}
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.logit_softcap = logit_softcap
 
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        self.embedding_norm = None
+        if embedding_norm:
+            # RMSNorm right after the embedding lookup, as nanochat does.
+            self.embedding_norm = RMSNorm(d_model, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(rope_theta, d_model // num_heads, context_length, device=device)
         self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, rope=self.rope, device=device, dtype=dtype)
-            for _ in range(num_layers)
+            TransformerBlock(
+                d_model,
+                num_heads,
+                d_ff,
+                rope=self.rope,
+                qk_norm=qk_norm,
+                mlp=mlp,
+                zero_init_output=zero_init_output,
+                vocab_size=vocab_size if value_embeddings and i % 2 == (num_layers - 1) % 2 else None,
+                dropout=dropout,
+                device=device,
+                dtype=dtype,
+            )
+            for i in range(num_layers)
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        if tie_embeddings:
+            # Tied input and output embeddings (Press & Wolf 2017); the head's init, see above.
+            self.token_embeddings.weight = self.lm_head.weight
 
     def forward(self, token_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         if token_ids.dim() != 2:
@@ -106,11 +220,18 @@ class Transformer(nn.Module):
                 f"{kv_cache.max_len} (the model's context_length)"
             )
         x = self.token_embeddings(token_ids)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_cache, i)
+            x = layer(x, kv_cache, i, token_ids)
         if kv_cache is not None:
             kv_cache.advance(seq_len)
-        return self.lm_head(self.ln_final(x))
+        logits = self.lm_head(self.ln_final(x))
+        if self.logit_softcap is not None:
+            # Logit soft-capping (Gemma 2; the nanoGPT speedrun and nanochat), in at least float32.
+            cap, wide = self.logit_softcap, torch.promote_types(logits.dtype, torch.float32)
+            logits = (cap * torch.tanh(logits.to(wide) / cap)).to(logits.dtype)
+        return logits
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
         """An empty cache for `batch_size` sequences of up to context_length positions."""
@@ -132,14 +253,21 @@ class Transformer(nn.Module):
             layer.attn.use_fast_attention = enabled
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of trainable scalars (optionally without the token embedding table)."""
+        """Number of trainable scalars, each shared one once (optionally without the token embedding
+        table and the value-embedding tables: lookups, not matmuls; with tie_embeddings that is the
+        head too)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.token_embeddings.weight.numel()
+            tables = [block.attn.value_embedding for block in self.layers]
+            total -= sum(table.weight.numel() for table in tables if table is not None)
         return total
 
 
-# The constructor's architecture arguments (all but device and dtype): the keys of `model.config`.
-Transformer.CONFIG_KEYS = tuple(
-    name for name in inspect.signature(Transformer).parameters if name not in ("device", "dtype")
+# The constructor's architecture arguments (all but device and dtype): the keys of `model.config`;
+# those without a default must be given (a config that leaves out another means its default).
+_ARGUMENTS = inspect.signature(Transformer).parameters
+Transformer.CONFIG_KEYS = tuple(name for name in _ARGUMENTS if name not in ("device", "dtype"))
+Transformer.REQUIRED_KEYS = tuple(
+    name for name in Transformer.CONFIG_KEYS if _ARGUMENTS[name].default is inspect.Parameter.empty
 )

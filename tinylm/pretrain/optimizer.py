@@ -23,8 +23,9 @@ def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> 
       (the 1-D ones, no decay), both at lr_max.
     - "muon": `tinylm.muon.Muon`, groups "matrices" (Muon: the 2-D weights of the Transformer
       blocks, muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr), and AdamW
-      for "embedding" (the token embedding, embedding_lr or lr_max, weight_decay), "head" (the output
-      head, head_lr or lr_max, weight_decay) and "gains" (every 1-D parameter, lr_max, no decay).
+      for "embedding" (the token embedding and any value-embedding tables, embedding_lr or lr_max,
+      weight_decay), "head" (the output head, head_lr or lr_max, weight_decay; none when it is tied
+      to the embedding) and "gains" (every parameter of fewer than 2 dims, lr_max, no decay).
 
     Every group carries its "name" and "peak_lr" (the top of its schedule, see `set_learning_rates`).
     With world_size > 1 and shard_optimizer, a ShardedOptimizer runs it on each rank's share (whole
@@ -42,8 +43,15 @@ def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> 
         ]
         optimizer_cls, kwargs = AdamW, dict(lr=train.lr_max, **adamw)
     elif train.optimizer == "muon":
-        embedding, head = model.token_embeddings.weight, model.lm_head.weight
-        block_matrices = [p for name, p in named if name.startswith("layers.") and p.dim() == 2]
+        head = model.lm_head.weight
+        # Lookup tables (the token embedding, value embeddings) are trained by AdamW, not Muon.
+        tables = [p for name, p in named if ".value_embedding." in name]
+        embeddings = [model.token_embeddings.weight, *tables]
+        block_matrices = [
+            p
+            for name, p in named
+            if name.startswith("layers.") and p.dim() == 2 and ".value_embedding." not in name
+        ]
         vectors = [p for _, p in named if p.dim() < 2]
         groups = [
             {
@@ -58,7 +66,7 @@ def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> 
             },
             {
                 "name": "embedding",
-                "params": [embedding],
+                "params": embeddings,
                 "use_muon": False,
                 "weight_decay": train.weight_decay,
                 "peak_lr": train.lr_max if train.embedding_lr is None else train.embedding_lr,
@@ -78,6 +86,8 @@ def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> 
                 "peak_lr": train.lr_max,
             },
         ]
+        if head is model.token_embeddings.weight:  # tie_embeddings: the embedding group trains it
+            groups = [group for group in groups if group["name"] != "head"]
         grouped = [id(p) for group in groups for p in group["params"]]
         if sorted(grouped) != sorted(id(p) for _, p in named) or len(set(grouped)) != len(grouped):
             raise ValueError(
