@@ -20,8 +20,8 @@ from helpers import ROOT, assert_same, final_payload, logged_losses, pretrain, p
 
 from tinylm.checkpoint import load_model
 from tinylm.generate import generate_reference
-from tinylm.tokenizer import Tokenizer
 from tinylm.pretrain.steps import committed_steps
+from tinylm.tokenizer import Tokenizer
 
 # Every option on; two layers, so that one of them has a value-embedding table.
 OPTIONS = dict(
