@@ -94,6 +94,18 @@ class TrainConfig:
         "measure first (bench/train_step.py)",
         execution=True,
     )
+    activation_checkpointing: str = key(
+        "none",
+        choices=["none", "full", "selective"],
+        help="blocks recomputed in backward instead of keeping their activations: `none` | `full` | "
+        "`selective` (every second block)",
+        more="Trades compute for memory (torch's non-reentrant checkpoint, `Transformer."
+        "set_activation_checkpointing`): `full` keeps only each block's input, for about one more forward "
+        "pass; `selective` recomputes blocks 0, 2, 4, ...: about half the saving for half the cost. The "
+        "gradients are exactly those without it (same kernels, same inputs, dropout's RNG replayed), so it "
+        "may change on resume; `python -m tinylm pretrain --plan` shows what it saves",
+        execution=True,
+    )
     deterministic: bool = key(
         True,
         help="deterministic kernels (bit-identical reruns) instead of the fastest (TF32, cuDNN attention)",

@@ -20,12 +20,16 @@ import inspect
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tinylm.model.attention import CausalSelfAttention
 from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
 
 MLP_CHOICES = ("swiglu", "relu2")
+
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see Transformer.set_activation_checkpointing
 
 
 def relu2_hidden_width(d_ff: int) -> int:
@@ -205,6 +209,7 @@ class Transformer(nn.Module):
         if tie_embeddings:
             # Tied input and output embeddings (Press & Wolf 2017); the head's init, see above.
             self.token_embeddings.weight = self.lm_head.weight
+        self.recomputed_layers: frozenset[int] = frozenset()  # see set_activation_checkpointing
 
     def forward(self, token_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         if token_ids.dim() != 2:
@@ -223,7 +228,11 @@ class Transformer(nn.Module):
         if self.embedding_norm is not None:
             x = self.embedding_norm(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_cache, i, token_ids)
+            if i in self.recomputed_layers and torch.is_grad_enabled():
+                # Activation checkpointing: keep only the block's input, run it again in backward.
+                x = checkpoint(layer, x, kv_cache, i, token_ids, use_reentrant=False)
+            else:
+                x = layer(x, kv_cache, i, token_ids)
         if kv_cache is not None:
             kv_cache.advance(seq_len)
         logits = self.lm_head(self.ln_final(x))
@@ -246,6 +255,27 @@ class Transformer(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Which blocks keep only their input in forward and run again in backward (Chen et al. 2016,
+        "Training Deep Nets with Sublinear Memory Cost"), with torch's non-reentrant checkpoint:
+
+        - "none": every block keeps its activations (the default);
+        - "full": every block is recomputed: a block's saved tensors drop to its input, for about
+          one more forward pass of compute;
+        - "selective": every second block (0, 2, 4, ...): about half the activation memory saved
+          for half the recompute.
+
+        Gradients are exactly those without it: the recomputation runs the same kernels on the same
+        inputs, with the RNG state of the first pass (dropout draws the same masks). Only while
+        autograd records (training); evaluation and generation never recompute.
+        """
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation checkpointing: {mode!r} is not one of {list(ACTIVATION_CHECKPOINTING)}"
+            )
+        every = {"none": 0, "full": 1, "selective": 2}[mode]
+        self.recomputed_layers = frozenset(range(0, len(self.layers), every) if every else ())
 
     def set_fast_attention(self, enabled: bool) -> None:
         """Switch every layer between the fused attention kernel (default) and the reference path."""

@@ -84,7 +84,8 @@ class TrainingLog:
         self.print(
             f"world size {ctx.world_size}, backend {ctx.backend or 'none'}, "
             f"device {ctx.device.type}, autocast {str(dtype).removeprefix('torch.')} (parameters "
-            f"{param_dtype}), grad_accum_steps {train.grad_accum_steps}; state {self.state_dir}; "
+            f"{param_dtype}), grad_accum_steps {train.grad_accum_steps}, activation checkpointing "
+            f"{train.activation_checkpointing}; state {self.state_dir}; "
             + (f"resumed at step {self.start}" if self.start else "fresh start")
             + f"; the loss printed is the mean over the steps since the previous line (every "
             f"{train.log_interval} steps)"

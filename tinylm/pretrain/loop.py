@@ -85,6 +85,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     valid_tokens = load_tokens(spec.valid_tokens)
 
     model = Transformer(**spec.model_config, device=device)  # float32 parameters and optimizer state
+    model.set_activation_checkpointing(train.activation_checkpointing)
     optimizer = build_optimizer(model, train, ctx.world_size)  # train.optimizer, sharded when asked
     if train.compile:
         compile_blocks(model, ctx.world_size)
