@@ -342,3 +342,101 @@ def test_training_forward_compiles_as_one_graph():
     ids = torch.randint(0, TINY["vocab_size"], (2, TINY["context_length"]))
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
     torch.testing.assert_close(compiled(ids), model(ids))
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation checkpointing
+
+EVERY_OPTION = dict(
+    vocab_size=50,
+    context_length=16,
+    d_model=32,
+    num_layers=3,
+    num_heads=2,
+    d_ff=48,
+    qk_norm=True,
+    value_embeddings=True,
+    tie_embeddings=True,
+    embedding_norm=True,
+    logit_softcap=10.0,
+    dropout=0.1,
+)
+
+
+def gradients_and_recomputations(model, ids, mode, dtype=None) -> tuple[list[torch.Tensor], int]:
+    """The gradients of one backward under `mode` (the same RNG state every time), and how many
+    block forwards ran: the model's own plus the recomputations."""
+    calls = []
+    handles = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model.layers]
+    model.set_activation_checkpointing(mode)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        logits = model(ids)
+    cross_entropy(logits, ids.roll(-1, dims=1)).backward()
+    for handle in handles:
+        handle.remove()
+    return [p.grad.clone() for p in model.parameters()], len(calls)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients_exactly(dtype):
+    torch.manual_seed(0)
+    model = Transformer(**EVERY_OPTION)
+    model.train()
+    ids = torch.randint(0, 50, (3, 16))
+    plain, forwards = gradients_and_recomputations(model, ids, "none", dtype)
+    assert forwards == 3
+    for mode, recomputed in (("full", 3), ("selective", 2)):  # selective: blocks 0 and 2
+        grads, forwards = gradients_and_recomputations(model, ids, mode, dtype)
+        assert forwards == 3 + recomputed, mode
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True)), mode
+    with torch.no_grad():  # nothing is recomputed where autograd does not record
+        model.set_activation_checkpointing("full")
+        cache = model.new_kv_cache(3)
+        model.eval()
+        assert torch.equal(model(ids, kv_cache=cache), model(ids))
+
+
+def test_activation_checkpointing_saves_activation_memory():
+    """Fewer bytes saved for backward with every block recomputed (torch's saved-tensor hooks count
+    them, each storage once), about half with every second one."""
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=50, context_length=64, d_model=64, num_layers=4, num_heads=4, d_ff=176)
+    ids = torch.randint(0, 50, (8, 64))
+
+    def saved_bytes(mode: str) -> int:
+        model.set_activation_checkpointing(mode)
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids).sum()
+        return sum(storages.values())
+
+    none, selective, full = (saved_bytes(mode) for mode in ("none", "selective", "full"))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert full - weights < 0.25 * (none - weights)  # each block keeps only its input
+    assert 0.35 < (selective - weights) / (none - weights) < 0.75
+
+
+def test_an_unknown_activation_checkpointing_mode_is_refused():
+    model = Transformer(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
+    with pytest.raises(ValueError, match=r"activation checkpointing: 'some' is not one of \['none'"):
+        model.set_activation_checkpointing("some")
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_of_compiled_blocks_keeps_their_gradients():
+    torch.manual_seed(0)
+    model = Transformer(**{**EVERY_OPTION, "dropout": 0.0})  # compiled dropout draws its own masks
+    for block in model.layers:
+        block.compile()
+    ids = torch.randint(0, 50, (3, 16))
+    plain, _ = gradients_and_recomputations(model, ids, "none")
+    for mode in ("full", "selective"):
+        grads, _ = gradients_and_recomputations(model, ids, mode)
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True)), mode

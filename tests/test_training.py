@@ -355,6 +355,50 @@ def test_bfloat16_with_compile_trains_and_saves_plain_float32_weights(tiny_data,
     assert all(abs(float(ours[s]) - float(reference[s])) < 0.05 for s in reference)
 
 
+@pytest.mark.slow
+def test_activation_checkpointing_trains_the_same_bits_through_ddp_sharding_and_a_resume(
+    tiny_data, uninterrupted, tmp_path
+):
+    """World size 2, sharded AdamW: full recomputation gives the uninterrupted run's losses and
+    weights bit for bit; killed at step 9 and resumed without it, still the same bits."""
+    cfg = yaml.safe_load(uninterrupted["config"].read_text())
+    cfg["train"]["activation_checkpointing"] = "full"
+    config = tmp_path / "full.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = tmp_path / "state"
+    crashed = pretrain(tiny_data, config, state, fault="rank=1,step=9,action=kill")
+    assert crashed.returncode != 0 and committed_steps(state) == [4, 8]
+    assert logged_losses(crashed.stderr) == {
+        s: v for s, v in logged_losses(uninterrupted["stderr"]).items() if s <= 9
+    }
+    pretrain_ok(tiny_data, uninterrupted["config"], state)  # activation checkpointing may change on resume
+    a, b = final_payload(uninterrupted["state"]), final_payload(state)
+    assert_same(a["model"], b["model"], "model")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_float16_with_accumulation_bit_identical(
+    tiny_data, float16_run, tmp_path
+):
+    """float16 loss scaling (an overflow at step 6 included) and two accumulation micro-steps per
+    rank, every second block recomputed: the float16 run's weights, bit for bit."""
+    cfg = yaml.safe_load(float16_run["config"].read_text())
+    cfg["train"].update(activation_checkpointing="selective", grad_accum_steps=2)
+    config = tmp_path / "selective.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    accumulated_plain = tmp_path / "plain.yaml"
+    cfg["train"]["activation_checkpointing"] = "none"
+    accumulated_plain.write_text(yaml.safe_dump(cfg))
+    fault = "rank=1,step=5,action=overflow"
+    stderr = pretrain_ok(tiny_data, config, tmp_path / "selective", fault=fault)
+    plain = pretrain_ok(tiny_data, accumulated_plain, tmp_path / "plain", fault=fault)
+    assert "float16 gradients overflowed" in stderr and logged_losses(stderr) == logged_losses(plain)
+    a, b = final_payload(tmp_path / "plain"), final_payload(tmp_path / "selective")
+    for key in ("model", "optimizer", "grad_scaler"):
+        assert_same(a[key], b[key], key)
+
+
 # ------------------------------------------------------------------------------------------------
 # Units of the loop
 
