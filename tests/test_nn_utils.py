@@ -132,3 +132,46 @@ def test_gradient_clip_without_gradients_returns_zero():
 def test_cross_entropy_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="disagree"):
         cross_entropy(torch.randn(2, 3, 5), torch.zeros(3, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_in_row_chunks_is_the_same_bits_and_matches_torch(monkeypatch, dtype):
+    """Chunks of 3 rows (a last one of 1) against one chunk: the same loss and gradient bit for bit,
+    and both against F.cross_entropy on float32 logits."""
+    import tinylm.nn_utils as nn_utils
+
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5, 37) * 4).to(dtype)
+    targets = torch.randint(0, 37, (2, 5))
+
+    def loss_and_grad():
+        z = logits.clone().requires_grad_()
+        loss = cross_entropy(z, targets)
+        loss.backward()
+        return loss.detach(), z.grad
+
+    whole = loss_and_grad()
+    monkeypatch.setattr(nn_utils, "LOSS_CHUNK_BYTES", 3 * 4 * 37)
+    assert [(s.start, s.stop) for s in nn_utils.row_chunks(10, 37)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    chunked = loss_and_grad()
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert chunked[1].dtype == dtype
+    reference = logits.float().requires_grad_()
+    expected = F.cross_entropy(reference.flatten(0, 1), targets.flatten())
+    expected.backward()
+    torch.testing.assert_close(chunked[0], expected)
+    torch.testing.assert_close(
+        chunked[1].float(), reference.grad, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6
+    )
+
+
+def test_evaluation_token_losses_in_row_chunks_match_torch(monkeypatch):
+    import tinylm.nn_utils as nn_utils
+    from tinylm.evaluate import token_losses
+
+    torch.manual_seed(1)
+    logits, targets = torch.randn(11, 29, dtype=torch.bfloat16), torch.randint(0, 29, (11,))
+    expected = F.cross_entropy(logits.float(), targets, reduction="none")
+    monkeypatch.setattr(nn_utils, "LOSS_CHUNK_BYTES", 2 * 4 * 29)
+    assert len(nn_utils.row_chunks(11, 29)) == 6
+    torch.testing.assert_close(token_losses(logits, targets), expected)

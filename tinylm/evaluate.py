@@ -46,6 +46,7 @@ from tqdm import tqdm
 from tinylm.checkpoint import CheckpointError, load_model, published_manifest, published_steps
 from tinylm.data import load_tokens
 from tinylm.io import atomic_path, atomic_write_text
+from tinylm.nn_utils import row_chunks
 from tinylm.precision import autocast, dtype_name, resolve_dtype
 from tinylm.tokenizer import Tokenizer
 
@@ -138,14 +139,25 @@ def score_tokens(
             inputs, targets = w[:, :-1], w[:, 1:]
             with autocast(device, dtype):
                 logits = model(inputs)
-            logits = logits.float()
-            losses = torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            losses = losses.double()
+            losses = token_losses(logits.flatten(0, 1), targets.flatten()).view_as(targets).double()
             is_text = ~torch.isin(targets, special)
             loss_sum += losses.sum().item()
             text_loss_sum += losses[is_text].sum().item()
             count += targets.numel()
     return Scores(loss_sum, count, text_loss_sum)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logsumexp(z) - z[y] per position, in float32: logits [N, V] (any float dtype), targets [N].
+
+    The float32 copy of the logits is made a chunk of rows at a time (nn_utils.row_chunks), so a
+    large batch and vocabulary never hold [N, V] float32 temporaries.
+    """
+    out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+    for rows in row_chunks(*logits.shape):
+        z = logits[rows].float()
+        out[rows] = torch.logsumexp(z, dim=-1) - z.gather(-1, targets[rows, None]).squeeze(-1)
+    return out
 
 
 def evaluate_checkpoints(

@@ -29,38 +29,56 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _CrossEntropy.apply(logits, targets)
 
 
+# Rows of logits handled at once in float32: the loss's float32 temporaries (the upcast logits,
+# their exponentials, the gradient before its cast back) stay within this many bytes each, whatever
+# the batch and vocabulary (at batch 32 x 1,024 positions x 32,000 tokens, whole rows would take 4 GiB
+# each). Rows are independent, so the result does not depend on it.
+LOSS_CHUNK_BYTES = 256 << 20
+
+
+def row_chunks(num_rows: int, vocab_size: int) -> list[slice]:
+    """Slices of `num_rows` rows of `vocab_size` floats in order, each LOSS_CHUNK_BYTES at most in float32."""
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+    return [slice(start, start + rows) for start in range(0, num_rows, rows)]
+
+
 class _CrossEntropy(torch.autograd.Function):
     """cross_entropy with its gradient written by hand.
 
     d loss / d z = (softmax(z) - onehot(y)) / N for N positions. Autograd through the forward formula
     would keep several [N, vocab_size] temporaries alive (the shifted logits, their exp, the
-    scattered one-hot); with the gradient written out, backward needs exactly one such tensor.
-    At a vocabulary of 10,000 each one is 164 MB for 4,096 positions, and allocating them dominated
-    the non-matmul time of a training step.
+    scattered one-hot); with the gradient written out, backward needs one such tensor, in the
+    logits' dtype, and float32 temporaries of at most LOSS_CHUNK_BYTES (row_chunks).
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
-        z = _at_least_float32(logits).reshape(-1, logits.shape[-1])  # [N, V]
-        y = targets.reshape(-1).long()  # [N]
-        m = z.amax(dim=-1, keepdim=True)  # [N, 1]
-        log_sum = (z - m).exp_().sum(dim=-1, keepdim=True).log_()  # [N, 1], logsumexp(z) - m
-        target_logit = z.gather(-1, y.unsqueeze(-1)) - m  # [N, 1], z[y] - m
+        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+        y = targets.reshape(-1, 1).long()  # [N, 1]
+        m, log_sum, losses = [], [], []
+        for rows in row_chunks(*flat.shape):
+            z = _at_least_float32(flat[rows])  # [n, V]
+            m.append(z.amax(dim=-1, keepdim=True))  # [n, 1]
+            log_sum.append((z - m[-1]).exp_().sum(dim=-1, keepdim=True).log_())  # logsumexp(z) - m
+            losses.append(log_sum[-1] - (z.gather(-1, y[rows]) - m[-1]))  # minus z[y] - m
         # m and log_sum are kept apart: adding them would round away digits when |m| is large.
+        m, log_sum = torch.cat(m), torch.cat(log_sum)
         ctx.save_for_backward(logits, targets, m, log_sum)
-        return (log_sum - target_logit).mean()
+        return torch.cat(losses).mean()
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         logits, targets, m, log_sum = ctx.saved_tensors
-        z = _at_least_float32(logits).reshape(-1, logits.shape[-1])
+        flat = logits.reshape(-1, logits.shape[-1])
         y = targets.reshape(-1).long()
-        grad = (z - m).sub_(log_sum).exp_()  # softmax(z), [N, V]
-        grad[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-        grad.mul_(grad_loss / y.shape[0])
-        return grad.reshape(logits.shape).to(logits.dtype), None
+        grad = torch.empty_like(flat)  # in the logits' dtype
+        for rows in row_chunks(*flat.shape):
+            chunk = (_at_least_float32(flat[rows]) - m[rows]).sub_(log_sum[rows]).exp_()  # softmax(z)
+            chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
+            grad[rows] = chunk.mul_(grad_loss / y.shape[0])
+        return grad.reshape(logits.shape), None
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
