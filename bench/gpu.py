@@ -2,7 +2,9 @@
 
 One training step is the tinylm loop's step on one device: forward under bf16 autocast, loss in
 float32, backward, gradient clip, AdamW (ours: multi-tensor, two param groups), with and without
-torch.compile (both sides compile each Transformer block, as the trainer does). The baseline is
+torch.compile (both sides compile each Transformer block, as the trainer does), and with full and
+selective activation checkpointing (train.activation_checkpointing), whose rows give the memory
+it saves and the speed it costs. The baseline is
 written as a PyTorch user would write it for speed: fused q/k/v projection,
 F.scaled_dot_product_attention, nn.RMSNorm, F.cross_entropy, torch.optim.AdamW(fused=True) and
 clip_grad_norm_(foreach=True). Each variant runs in
@@ -36,13 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GPT2_SMALL = dict(vocab_size=50304, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048)
 SMOKE = dict(vocab_size=512, context_length=64, d_model=64, num_layers=2, num_heads=2, d_ff=128)
-# name -> (model, compile, deterministic kernels)
+# name -> (model, compile, deterministic kernels, activation checkpointing); the baselines first, so
+# that each tinylm row can give its ratio as soon as it is measured.
 VARIANTS = {
-    "tinylm": ("tinylm", False, False),
-    "native": ("native", False, False),
-    "tinylm+compile": ("tinylm", True, False),
-    "native+compile": ("native", True, False),
-    "tinylm+compile, deterministic": ("tinylm", True, True),
+    "native": ("native", False, False, "none"),
+    "native+compile": ("native", True, False, "none"),
+    "tinylm": ("tinylm", False, False, "none"),
+    "tinylm+compile": ("tinylm", True, False, "none"),
+    "tinylm+compile, deterministic": ("tinylm", True, True, "none"),
+    "tinylm+compile, full checkpointing": ("tinylm", True, False, "full"),
+    "tinylm+compile, selective checkpointing": ("tinylm", True, False, "selective"),
 }
 
 
@@ -115,12 +120,14 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> 
     from tinylm.precision import autocast, configure_kernels
     from tinylm.throughput import flops_per_token, mfu, peak_flops, peak_memory_mib
 
-    impl, compiled, deterministic = VARIANTS[name]
+    impl, compiled, deterministic, checkpointing = VARIANTS[name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     configure_kernels(device, deterministic)
     dtype = torch.bfloat16
     torch.manual_seed(0)
     model, optimizer, loss_fn = build(impl, shape, device)
+    if impl == "tinylm":
+        model.set_activation_checkpointing(checkpointing)
     if compiled:  # block by block on both sides, as the trainer compiles
         for block in model.layers:
             block.compile()
@@ -194,7 +201,16 @@ def main() -> None:
         print(json.dumps(worker(args.worker, shape, batch_size, steps, warmup)))
         return
 
-    results = []
+    # Every figure is written as soon as it is measured (a session may be cut short): a row of the
+    # markdown table on stdout, and the JSON of every result so far at --out.
+    print(
+        f"Training step at {'smoke' if args.smoke else 'GPT-2-small'} shape {shape}, batch {batch_size} x "
+        f"{shape['context_length']} tokens, bf16 autocast, torch {torch.__version__}; median of "
+        f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n"
+    )
+    print("| variant | device | tokens/s | vs native (same compile) | MFU | peak memory MiB | warm-up s |")
+    print("|---|---|---:|---:|---:|---:|---:|", flush=True)
+    results, by_name = [], {}
     for name in args.variants:
         cmd = [
             sys.executable,
@@ -212,28 +228,19 @@ def main() -> None:
         if proc.returncode != 0:
             print(f"{name}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"[gpu bench] {name}: {results[-1]['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
-
-    by_name = {r["variant"]: r for r in results}
-    device = results[0]["device"] if results else "?"
-    print(
-        f"Training step at {'smoke' if args.smoke else 'GPT-2-small'} shape {shape}, batch {batch_size} x "
-        f"{shape['context_length']} tokens, bf16 autocast, on {device}, torch {torch.__version__}; median of "
-        f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n"
-    )
-    print("| variant | tokens/s | vs native (same compile) | MFU | peak memory MiB | warm-up s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in results:
-        native = by_name.get("native+compile" if "compile" in r["variant"] else "native")
-        ratio = f"{r['tokens_per_s'] / native['tokens_per_s']:.2f}x" if native else "-"
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(r)
+        by_name[name] = r
+        native = by_name.get("native+compile" if "compile" in name else "native")
+        ratio = f"{r['tokens_per_s'] / native['tokens_per_s']:.2f}x" if native and native is not r else "-"
         utilisation = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         print(
-            f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
-            f"{r['peak_memory_mib']:,.0f} | {r['warmup_s']:.1f} |"
+            f"| {name} | {r['device']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
+            f"{r['peak_memory_mib']:,.0f} | {r['warmup_s']:.1f} |",
+            flush=True,
         )
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -688,3 +688,32 @@ def test_a_sweep_with_seeds_plans_each_run_once_per_seed_on_one_set_of_data(tmp_
     proc = snakemake(workdir, *targets, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "tinylm: config error: seeds: " in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_jobs_declare_the_gpus_they_take_and_the_machine_offers_its_own(tmp_path, gpus):
+    """With a stand-in nvidia-smi listing `gpus` devices: the world size 2 pretrain takes both GPUs
+    when there are two (none when fewer: it trains on the CPU), evaluate and generate one each."""
+    workdir = make_workdir(tmp_path / "work", tmp_path / "cache")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpus:
+        listing = "".join(f"GPU {i}: NVIDIA Stand-in (UUID: GPU-{i})\\n" for i in range(gpus))
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+        fake.chmod(0o755)
+    env = (
+        {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+        if gpus
+        else {**os.environ, "PATH": "/usr/bin:/bin"}
+    )
+    out = snakemake(workdir, "results/samples.txt", "--dry-run", "--printshellcmds", env=env).stdout
+    declared = {}
+    for block in out.split("\nrule ")[1:]:
+        name = block.split(":", 1)[0]
+        match = re.search(r"resources: .*?\bgpu=(\d+)", block)
+        declared[name] = int(match.group(1)) if match else None
+    world_size = tiny_config()["train"]["world_size"]
+    assert world_size == 2
+    assert declared["pretrain"] == (world_size if gpus >= world_size else 0)
+    assert declared["evaluate"] == declared["generate"] == (1 if gpus else 0)

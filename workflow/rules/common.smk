@@ -1,4 +1,6 @@
 import json
+import shutil
+import subprocess
 from dataclasses import asdict
 
 from tinylm.config import DEFAULT_RUN, data_hash, run_state_dir
@@ -82,3 +84,34 @@ def config_value(cfg, dotted):
     """The value of a dotted key ("train.lr_max") in a run's config."""
     section, _, key = dotted.partition(".")
     return getattr(getattr(cfg, section), key)
+
+
+def cuda_devices():
+    """The CUDA devices of this machine as `nvidia-smi -L` lists them; 0 without nvidia-smi."""
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return 0
+    try:
+        listing = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+# Jobs declare the GPUs they take as the resource `gpu`, and a machine with GPUs offers all of its
+# own (unless --resources gpu=N says otherwise), so that the runs of a sweep and their evaluations
+# never share a device: a job waits until its GPUs are free.
+GPUS = cuda_devices()
+if GPUS and "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", GPUS)
+
+
+def pretrain_gpus(wildcards):
+    """One GPU per rank where the machine has enough (backend auto or nccl); none on the CPU."""
+    train = run_cfg(wildcards).train
+    return 0 if train.backend == "gloo" or train.world_size > GPUS else train.world_size
+
+
+def one_gpu(wildcards):
+    """evaluate and generate run on the first CUDA device when there is one."""
+    return 1 if GPUS else 0

@@ -23,6 +23,7 @@ rule evaluate:
         "results/{run_dir}benchmarks/evaluate.tsv"
     threads: lambda wildcards: run_cfg(wildcards).evaluate.threads
     resources:
+        gpu=one_gpu,
         mem_mb=2000,
     shell:
         "python -m tinylm evaluate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"

@@ -18,6 +18,7 @@ rule generate:
         "results/{run_dir}benchmarks/generate.tsv"
     threads: lambda wildcards: run_cfg(wildcards).generate.threads
     resources:
+        gpu=one_gpu,
         mem_mb=2000,
     shell:
         "python -m tinylm generate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"

@@ -24,6 +24,7 @@ rule pretrain:
         "results/{run_dir}benchmarks/pretrain.tsv"
     threads: lambda wildcards: run_cfg(wildcards).train.world_size * run_cfg(wildcards).train.threads_per_rank
     resources:
+        gpu=pretrain_gpus,
         mem_mb=8000,
         runtime=120,
     shell:
