@@ -92,7 +92,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     # A sharded optimizer (ZeRO-1) names each parameter's owner: DDP then reduces each gradient to
     # its owner only, and each rank unscales and clips the gradients it holds.
     ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, reduce_to=parameter_owners(optimizer))
-    held = held_parameters(optimizer)
+    local_parameters = held_parameters(optimizer)  # what this rank steps: all, or its ZeRO-1 share
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
     start = restore_run(ctx, spec.state_dir, model, optimizer, scaler, rng)
     log = TrainingLog(
@@ -117,7 +117,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         if ctx.world_size > 1:
             dist.all_reduce(loss)
             loss /= ctx.world_size
-        scaler.unscale_([p.grad for p in held if p.grad is not None])
+        scaler.unscale_([p.grad for p in local_parameters if p.grad is not None])
         grad_norm = clip_grad_norm_(optimizer, model.parameters(), train.grad_clip)
         # The step's one host sync. Every rank holds the same loss and norm, so all decide alike.
         loss_value, norm_value = torch.stack([loss, grad_norm.to(device)]).tolist()
