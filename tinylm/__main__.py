@@ -98,6 +98,9 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.pretrain import train
     from tinylm.pretrain.steps import committed_steps
 
+    if args.plan:
+        print_memory_plan(cfg, args.tokenizer)
+        return
     state_dir = args.state_dir or run_state_dir(cfg)
 
     def on_sigterm(signum, frame):
@@ -136,6 +139,24 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
         raise Stopped() from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def print_memory_plan(cfg: Config, tokenizer_path: str) -> None:
+    """`pretrain --plan`: the run's memory plan per rank; an error when it would not fit."""
+    from tinylm.parallel.launch import resolve_backend
+    from tinylm.pretrain.log import log_line
+    from tinylm.pretrain.run import plan_run
+    from tinylm.tokenizer import Tokenizer
+
+    backend, note = resolve_backend(cfg.train.backend, cfg.train.world_size)
+    planned, plan = plan_run(cfg, len(Tokenizer.load(tokenizer_path).vocab), backend)
+    lines = ([note] if note else []) + plan.lines()
+    if cfg.train.grad_accum_steps == "auto":
+        lines.append(f"train.grad_accum_steps auto: {planned.train.grad_accum_steps} (the fewest that fit)")
+    for line in lines:
+        log_line(True, line)
+    if plan.problem():
+        raise ValueError(f"the run does not fit in memory: {plan.problem()}")
 
 
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
@@ -303,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=f"{RESULTS}/checkpoints")
     p.add_argument("--tensorboard-dir", default=f"{RESULTS}/tensorboard")
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan per rank (and refuse a run that would not fit) without training",
+    )
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
     checkpoint_arguments(p)

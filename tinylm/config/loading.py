@@ -36,8 +36,16 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(value, inner, key)
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        for candidate in inner[:-1]:  # e.g. int | str: an integer, or else a word such as "auto"
+            try:
+                return _coerce(value, candidate, key)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, inner[-1], key)
+        except ConfigError:
+            raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r}") from None
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r}")
@@ -70,6 +78,10 @@ def _coerce(value: Any, tp, key: str) -> Any:
 
 def _check_range(value: Any, meta: dict, key: str) -> None:
     if value is None or not meta:
+        return
+    if isinstance(value, str) and meta.get("words"):  # the words a numeric key also takes
+        if value not in meta["words"]:
+            raise ConfigError(f"{key}: {value!r} is not a number nor one of {meta['words']}")
         return
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not one of {meta['choices']}")
@@ -145,7 +157,8 @@ def validate(cfg: Config) -> None:
             f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} "
             f"must be even for RoPE"
         )
-    if train.batch_size % (train.world_size * train.grad_accum_steps):
+    accum = 1 if train.grad_accum_steps == "auto" else train.grad_accum_steps
+    if train.batch_size % (train.world_size * accum):
         raise ConfigError(
             f"train.batch_size: {train.batch_size} is not divisible by train.world_size * "
             f"train.grad_accum_steps "

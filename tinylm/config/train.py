@@ -58,14 +58,16 @@ class TrainConfig:
         "micro-batch m is slice r * `grad_accum_steps` + m of it. So every world size and accumulation "
         "trains on the very same tokens (must be divisible by `world_size * grad_accum_steps`)",
     )
-    grad_accum_steps: int = key(
+    grad_accum_steps: int | str = key(
         1,
         lo=1,
-        help="micro-steps per update (gradient accumulation)",
+        words=["auto"],
+        help="micro-steps per update (gradient accumulation); `auto`: the fewest that fit in memory",
         more="Each rank runs `batch_size / (world_size * grad_accum_steps)` sequences at a time, all "
         "micro-steps but the last inside `ddp.no_sync()`, each micro-loss divided by `grad_accum_steps`. "
         "Raise it when the global batch does not fit in memory; it costs little speed once the micro-batch "
-        "keeps the device busy",
+        "keeps the device busy. `auto` takes the smallest divisor of the per-rank batch whose memory plan "
+        "(`python -m tinylm pretrain --plan`) fits, says which in the log, and keeps it on resume",
         execution=True,
     )
     dtype: str = key(

@@ -90,12 +90,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._lay_out_buffers()
 
     def _assign_owners(self, params: list[nn.Parameter]) -> None:
-        """Give each parameter to the least-loaded rank, largest parameters first (deterministic)."""
-        order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
-        for i in order:
-            rank = min(range(self.world_size), key=lambda r: (self._elements_per_rank[r], r))
-            self.owner[params[i]] = rank
-            self._elements_per_rank[rank] += params[i].numel()
+        ranks = assign_owners([p.numel() for p in params], self._elements_per_rank)
+        self.owner.update(zip(params, ranks, strict=True))
 
     @torch.no_grad()
     def _lay_out_buffers(self) -> None:
@@ -276,6 +272,18 @@ def _placeholder(description: tuple) -> Any:
         _, shape, dtype = description
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     return description[1]
+
+
+def assign_owners(sizes: list[int], elements_per_rank: list[int]) -> list[int]:
+    """The owning rank of each of a group's parameters (`sizes`: their element counts): largest
+    first, each to the rank with the fewest elements so far (ties to the lower rank); deterministic.
+    `elements_per_rank` (one entry per rank, the groups before this one) is updated in place."""
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(len(elements_per_rank)), key=lambda r: (elements_per_rank[r], r))
+        owners[i] = rank
+        elements_per_rank[rank] += sizes[i]
+    return owners
 
 
 # A run's optimizer is a ShardedOptimizer or a plain one; these answer for both, so that no caller

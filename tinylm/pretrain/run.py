@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tinylm.config import Config, config_hash, weight_config
 from tinylm.data import load_tokens
@@ -22,6 +24,7 @@ from tinylm.parallel.launch import is_global_rank0, resolve_backend
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
+from tinylm.pretrain.memory import MemoryPlan, plan_memory, smallest_fitting_accumulation
 from tinylm.pretrain.publish import publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.steps import committed_steps, step_manifest
@@ -31,6 +34,32 @@ from tinylm.tokenizer import Tokenizer
 def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
     """The Transformer's constructor arguments of a run: `Transformer(**model_config_of(cfg, V))`."""
     return {"vocab_size": vocab_size, **asdict(cfg.model)}
+
+
+def plan_run(
+    cfg: Config, vocab_size: int, backend: str, resumed_accumulation: int | None = None
+) -> tuple[Config, MemoryPlan]:
+    """The run's config with `train.grad_accum_steps: auto` resolved, and its memory plan on the
+    device of rank 0 (its first GPU with nccl, else the CPU).
+
+    `auto` takes `resumed_accumulation` (what the run being resumed chose) when given, else the
+    smallest accumulation whose plan fits; none fitting is a ValueError saying what would.
+    """
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    model_config, train = model_config_of(cfg, vocab_size), cfg.train
+    if train.grad_accum_steps == "auto":
+        accum = resumed_accumulation or smallest_fitting_accumulation(
+            model_config, train, train.world_size, device
+        )
+        if accum is None:
+            raise ValueError(
+                "train.grad_accum_steps: auto: "
+                + plan_memory(
+                    model_config, replace(train, grad_accum_steps=1), train.world_size, device
+                ).problem()
+            )
+        cfg = replace(cfg, train=replace(train, grad_accum_steps=accum))
+    return cfg, plan_memory(model_config, cfg.train, cfg.train.world_size, device)
 
 
 def structural_hash(model_config: dict[str, Any]) -> str:
@@ -86,12 +115,28 @@ def train(
     with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         steps = committed_steps(state_dir)
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
+        manifest = step_manifest(state_dir, steps[-1]) if steps else {}
         if steps:
-            manifest = step_manifest(state_dir, steps[-1])
             train_seconds = float(manifest.get("train_seconds", 0.0))
             check_resumable(manifest, identity, state_dir)
             _say_resume(is_rank0, manifest, train, state_dir, checkpoint_dir)
         if not steps or steps[-1] < train.max_iters:
+            cfg, plan = plan_run(cfg, vocab_size, backend, manifest.get("grad_accum_steps"))
+            for line in plan.lines():
+                log_line(is_rank0, line)
+            if train.grad_accum_steps == "auto":
+                log_line(
+                    is_rank0,
+                    f"train.grad_accum_steps auto: {cfg.train.grad_accum_steps}"
+                    + (
+                        " (the run's own, resumed)"
+                        if manifest.get("grad_accum_steps")
+                        else " (the fewest that fit)"
+                    ),
+                )
+            if plan.problem():
+                raise ValueError(f"the run does not fit in memory: {plan.problem()}")
+            identity["grad_accum_steps"] = cfg.train.grad_accum_steps
             spec = RunSpec(
                 cfg=cfg,
                 model_config=model_config,

@@ -1,0 +1,113 @@
+"""The memory plan against the peak memory of real runs on the CPU.
+
+For each shape and activation checkpointing mode: `python -m tinylm pretrain --plan` (the plan's
+total per rank), then the same command without `--plan` for a few steps (rank 0's peak resident
+memory, VmHWM, from the log's last progress line: the training peak, before the final checkpoint is
+written). Prints a markdown table: planned, measured, planned / measured.
+
+    python bench/memory_plan.py                     # the shapes below; needs results/tokens and
+                                                    # results/tokenizer of the default run
+    python bench/memory_plan.py --only default
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# name -> (model keys, train keys); vocabulary 4096 (the default run's tokenizer)
+SHAPES = {
+    "default": ({}, {}),
+    "ctx512 d256 6L": (
+        dict(context_length=512, d_model=256, num_layers=6, num_heads=4, d_ff=688),
+        dict(world_size=1, batch_size=16),
+    ),
+    "ctx1024 d256 8L": (
+        dict(context_length=1024, d_model=256, num_layers=8, num_heads=4, d_ff=688),
+        dict(world_size=1, batch_size=8),
+    ),
+    "ctx1024 d256 8L, selective": (
+        dict(context_length=1024, d_model=256, num_layers=8, num_heads=4, d_ff=688),
+        dict(world_size=1, batch_size=8, activation_checkpointing="selective"),
+    ),
+    "ctx1024 d256 8L, full": (
+        dict(context_length=1024, d_model=256, num_layers=8, num_heads=4, d_ff=688),
+        dict(world_size=1, batch_size=8, activation_checkpointing="full"),
+    ),
+    "ctx256 d128 4L, every option, ws 2": (
+        dict(
+            context_length=256,
+            qk_norm=True,
+            mlp="relu2",
+            tie_embeddings=True,
+            value_embeddings=True,
+            dropout=0.1,
+            logit_softcap=15.0,
+        ),
+        dict(batch_size=32),
+    ),
+}
+
+
+def pretrain(config: Path, folder: Path, *extra: str) -> subprocess.CompletedProcess:
+    results = ROOT / "results"
+    command = [
+        *(sys.executable, "-m", "tinylm", "pretrain", "--config", str(config)),
+        *("--tokenizer", str(results / "tokenizer" / "tokenizer.json")),
+        *("--train-tokens", str(results / "tokens" / "train.npy")),
+        *("--valid-tokens", str(results / "tokens" / "valid.npy")),
+        *("--state-dir", str(folder / "state"), "--checkpoint-dir", str(folder / "ckpt")),
+        *("--tensorboard-dir", str(folder / "tb"), *extra),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    print("| shape | planned total per rank, MiB | measured peak RSS of rank 0, MiB | planned / measured |")
+    print("|---|---:|---:|---:|", flush=True)
+    for name in args.only:
+        model, train = SHAPES[name]
+        cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+        cfg["model"].update(model)
+        cfg["train"].update(
+            max_iters=args.steps,
+            log_interval=1,
+            val_interval=10**6,
+            checkpoint_interval=10**6,
+            warmup_iters=1,
+            **train,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            config = folder / "config.yaml"
+            config.write_text(yaml.safe_dump(cfg))
+            plan = pretrain(config, folder, "--plan")
+            planned = re.search(r"total\s+([\d.]+) (GiB|MiB)", plan.stderr)
+            run = pretrain(config, folder)
+            peaks = re.findall(r"peak mem ([\d,]+) MiB", run.stderr)
+        if plan.returncode or run.returncode or not planned or not peaks:
+            print(f"| {name} | failed: {(plan.stderr + run.stderr)[-300:]!r} | | |", flush=True)
+            continue
+        planned_mib = float(planned.group(1)) * (1024 if planned.group(2) == "GiB" else 1)
+        measured_mib = float(peaks[-1].replace(",", ""))
+        print(
+            f"| {name} | {planned_mib:,.0f} | {measured_mib:,.0f} | {planned_mib / measured_mib:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""tinylm.pretrain.memory: the memory plan against real models, real optimizer state, a real step's
+peak resident memory and brute force; `pretrain --plan`, `grad_accum_steps: auto` and the refusal
+of a run that does not fit."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from helpers import ROOT, pretrain, write_tiny_config
+
+from tinylm.config import TrainConfig, from_dict
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy
+from tinylm.parallel.sharded import assign_owners
+from tinylm.pretrain import memory
+from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation, step_activation_bytes
+from tinylm.pretrain.optimizer import build_optimizer
+
+SHAPE = dict(vocab_size=300, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=176)
+
+
+def train_config(**keys) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), **{"world_size": 1, "batch_size": 8, **keys})
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_parameters_gradients_and_optimizer_state_are_those_of_a_real_model_after_a_step(optimizer):
+    config = {**SHAPE, "tie_embeddings": True, "value_embeddings": True}
+    train = train_config(optimizer=optimizer)
+    plan = plan_memory(config, train, 1)
+    model = Transformer(**config)
+    opt = build_optimizer(model, train, world_size=1)
+    ids = torch.randint(0, 300, (2, 33))
+    cross_entropy(model(ids[:, :-1]), ids[:, 1:]).backward()
+    opt.step()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for name, t in s.items()
+        if isinstance(t, torch.Tensor) and name != "step"
+    )
+    assert plan.parts["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    assert plan.parts["gradients"] == sum(p.grad.numel() * 4 for p in model.parameters())
+    assert plan.parts["optimizer"] == state_bytes
+
+
+def test_a_sharded_plan_holds_the_largest_share_and_the_shares_are_balanced():
+    model = Transformer(**SHAPE)
+    sizes = [p.numel() for p in model.parameters()]
+    loads = [0, 0, 0]
+    owners = assign_owners(sizes, loads)
+    for rank in range(3):  # brute force: each share within one parameter of a third
+        assert abs(sum(s for s, o in zip(sizes, owners, strict=True) if o == rank) - sum(sizes) / 3) <= max(
+            sizes
+        )
+    train = train_config(world_size=3, batch_size=9, shard_optimizer=True)
+    plan = plan_memory(SHAPE, train, 3)
+    whole = plan_memory(SHAPE, dataclasses.replace(train, shard_optimizer=False), 3)
+    groups = build_optimizer(model, train, world_size=1).param_groups
+    elements, shares = [0, 0, 0], [0, 0, 0]
+    for group in groups:
+        group_sizes = [p.numel() for p in group["params"]]
+        for rank, size in zip(assign_owners(group_sizes, elements), group_sizes, strict=True):
+            shares[rank] += 8 * size
+    assert plan.parts["optimizer"] == max(shares) < whole.parts["optimizer"] == sum(shares)
+
+
+def test_the_step_estimate_covers_the_bytes_a_real_step_holds():
+    """The fake step against the same step on real tensors, counted the same way: never below it,
+    and at most a quarter above (fake tensors are freed a little later than real ones)."""
+    torch.manual_seed(0)
+    model = Transformer(**SHAPE)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, 300, (8, 33))
+    with memory._LiveBytes() as tracker:
+        logits = model(ids[:, :-1])
+        loss = cross_entropy(logits, ids[:, 1:])
+        del logits
+        loss.backward()
+        del loss
+    assert tracker.peak <= step_activation_bytes(SHAPE, 8, torch.float32, "none") <= 1.25 * tracker.peak
+    full = step_activation_bytes(SHAPE, 8, torch.float32, "full")
+    assert full < step_activation_bytes(SHAPE, 8, torch.float32, "selective") < tracker.peak
+
+
+@pytest.mark.slow
+def test_the_plan_is_within_20_percent_of_a_real_runs_peak_resident_memory(tiny_data, tmp_path):
+    """A pretrain run where activations dominate (micro-batch 32 x 256): rank 0's peak RSS from the
+    log against the plan's total from `pretrain --plan`."""
+    config = write_tiny_config(
+        tmp_path / "c.yaml",
+        model={"context_length": 256, "d_model": 128, "num_layers": 3, "num_heads": 4, "d_ff": 344},
+        train={"world_size": 1, "batch_size": 32, "max_iters": 2, "dtype": "bfloat16"},
+    )
+    planned = pretrain(tiny_data, config, tmp_path / "plan_state", extra=("--plan",))
+    assert planned.returncode == 0, planned.stderr
+    number, unit = re.search(r"\] +total +([\d.]+) (GiB|MiB)", planned.stderr).groups()
+    total_mib = float(number) * (1024 if unit == "GiB" else 1)
+    assert not (tmp_path / "plan_state").exists()  # --plan trains nothing
+    run = pretrain(tiny_data, config, tmp_path / "state")
+    assert run.returncode == 0, run.stderr
+    assert "memory plan per rank" in run.stderr  # the log's header has it too
+    peak_mib = float(re.findall(r"peak mem ([\d,]+) MiB", run.stderr)[-1].replace(",", ""))
+    assert 0.8 < total_mib / peak_mib < 1.2, (total_mib, peak_mib)
+
+
+def test_the_smallest_fitting_accumulation_is_the_brute_force_one(monkeypatch):
+    train = train_config(batch_size=48)
+    plans = {
+        a: plan_memory(SHAPE, dataclasses.replace(train, grad_accum_steps=a), 1) for a in (1, 2, 3, 4, 6)
+    }
+    budget = (plans[3].total + plans[4].total) // 2  # 3 does not fit, 4 does
+    monkeypatch.setattr(memory, "device_memory", lambda device: (budget, None))
+    assert plans[1].total > plans[3].total > budget > plans[4].total
+    assert smallest_fitting_accumulation(SHAPE, train, 1, "cpu") == min(
+        a for a in range(1, 49) if 48 % a == 0 and plans.get(a, plans[6]).total <= budget
+    )
+    plan = plan_memory(SHAPE, train, 1)
+    assert re.fullmatch(
+        r"needs [\d.]+ (G|M)iB of [\d.]+ (G|M)iB on cpu: set train\.activation_checkpointing: full or "
+        r"train\.grad_accum_steps: 4",
+        plan.problem(),
+    ) or re.fullmatch(r"needs .* on cpu: set train\.grad_accum_steps: 4", plan.problem())
+    monkeypatch.setattr(memory, "device_memory", lambda device: (10, None))
+    assert smallest_fitting_accumulation(SHAPE, train, 1, "cpu") is None
+    assert (
+        "does not fit even with train.grad_accum_steps at the per-rank batch (48)"
+        in plan_memory(SHAPE, train, 1).problem()
+    )
+
+
+def test_a_run_that_does_not_fit_is_refused_before_launch_and_auto_says_why(tiny_data, tmp_path):
+    huge = {"context_length": 4096, "d_model": 2048, "num_layers": 24, "num_heads": 16, "d_ff": 5504}
+    config = write_tiny_config(tmp_path / "c.yaml", model=huge, train={"world_size": 1, "batch_size": 64})
+    planned = pretrain(tiny_data, config, tmp_path / "p", extra=("--plan",))
+    assert planned.returncode == 1
+    line = planned.stderr.strip().splitlines()[-1]
+    assert line.startswith("tinylm pretrain: error: the run does not fit in memory: needs ")
+    refused = pretrain(tiny_data, config, tmp_path / "state")
+    assert refused.returncode == 1 and "the run does not fit in memory" in refused.stderr
+    assert "step 1/" not in refused.stderr and not list((tmp_path / "state").glob("step_*"))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["grad_accum_steps"] = "auto"
+    config.write_text(yaml.safe_dump(cfg))
+    auto = pretrain(tiny_data, config, tmp_path / "auto", extra=("--plan",))
+    assert auto.returncode == 1
+    assert "train.grad_accum_steps: auto: needs " in auto.stderr
+    assert "does not fit even with train.grad_accum_steps at the per-rank batch (64)" in auto.stderr
+
+
+@pytest.mark.slow
+def test_auto_accumulation_is_said_kept_on_resume_and_trains_the_same_tokens(tiny_data, tmp_path):
+    config = write_tiny_config(tmp_path / "c.yaml", train={"grad_accum_steps": "auto"})
+    first = pretrain(tiny_data, config, tmp_path / "state", fault="rank=1,step=9,action=kill")
+    assert "train.grad_accum_steps auto: 1 (the fewest that fit)" in first.stderr
+    resumed = pretrain(tiny_data, config, tmp_path / "state")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "train.grad_accum_steps auto: 1 (the run's own, resumed)" in resumed.stderr
+
+
+def test_bad_values_are_named():
+    for value, words in [
+        ("some", "train.grad_accum_steps: 'some' is not a number nor one of ['auto']"),
+        (0, "train.grad_accum_steps: 0 is out of range"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            from_dict({"train": {"grad_accum_steps": value}})
+    with pytest.raises(ValueError, match=r"train.activation_checkpointing: 'some' is not one of"):
+        from_dict({"train": {"activation_checkpointing": "some"}})
+
+
+def test_the_plan_of_the_cli_has_a_total_line_and_trains_nothing(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--plan", "--tokenizer", "/nonexistent/tokenizer.json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "/nonexistent/tokenizer.json" in proc.stderr

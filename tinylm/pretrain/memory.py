@@ -1,0 +1,264 @@
+"""The memory plan of a run: what one rank will hold at its peak, worked out before launch.
+
+    plan = plan_memory(model_config, train, world_size, device)
+    print("\n".join(plan.lines()))          # one line per part, and one with the word `total`
+    problem = plan.problem()                 # None, or one line naming the keys to change
+
+Per rank, in bytes:
+
+    parameters      every parameter in float32 (counted on a model built on the meta device)
+    gradients       one float32 gradient per trainable parameter: DDP's buckets hold them all
+    optimizer       AdamW's two moments (Muon: one momentum buffer for its matrices) for the
+                    parameters this rank steps: all of them, or with train.shard_optimizer its
+                    ZeRO-1 share (the largest rank's, shared out as ShardedOptimizer does)
+    activations     the peak of one micro-batch's (batch_size / (world_size * grad_accum_steps)
+                    sequences) forward, loss and backward beyond the parameters and gradients: what
+                    autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
+                    Measured, not modelled: the step runs on fake tensors (shapes only, no data, no
+                    memory) with the run's autocast dtype and activation checkpointing, and every
+                    tensor it makes is counted while it lives (step_activation_bytes)
+    framework       CPU: this process's resident memory with torch loaded; CUDA: 500 MiB for the
+                    context and the caching allocator (an estimate)
+
+The total is compared with the device's memory (CUDA: total and free; CPU: available RAM).
+`smallest_fitting_accumulation` tries train.grad_accum_steps from 1 up, and `problem()` says by how
+much a plan misses and which keys make it fit. Checked against the peak resident memory of real
+runs on the CPU (bench/memory_plan.py; bench/RESULTS.md, "Models that fit").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tinylm.config import TrainConfig
+from tinylm.data import micro_batch_size
+from tinylm.model import Transformer
+from tinylm.nn_utils import cross_entropy
+from tinylm.parallel.launch import ranks_on_this_machine
+from tinylm.parallel.sharded import assign_owners
+from tinylm.precision import autocast, resolve_dtype
+from tinylm.pretrain.optimizer import build_optimizer
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 500 * 2**20  # CUDA context and allocator slack: an estimate, not measured here
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank of each part of a run's peak (see the module docs), and the device's memory."""
+
+    parts: dict[str, int]
+    device: str  # "cpu" or "cuda:N"
+    device_bytes: int | None  # the memory the run may use: available RAM, or the GPU's free memory
+    device_total: int | None  # the GPU's total memory (None on the CPU)
+    train: TrainConfig
+    world_size: int
+    model_config: dict = field(repr=False)
+    ranks_sharing: int = 1  # ranks of this machine whose totals share device_bytes (the CPU's RAM)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def fits(self) -> bool:
+        return self.device_bytes is None or self.total * self.ranks_sharing <= self.device_bytes
+
+    def lines(self) -> list[str]:
+        """The plan as lines for a log: one per part, the total, and the device's memory."""
+        train = self.train
+        micro = micro_batch_size(train.batch_size, self.world_size, train.grad_accum_steps)
+        out = [
+            f"memory plan per rank (micro-batch {micro} x {self.model_config['context_length']}, "
+            f"activation checkpointing {train.activation_checkpointing}, optimizer {train.optimizer}"
+            f"{', sharded' if train.shard_optimizer and self.world_size > 1 else ''}):"
+        ]
+        out += [f"  {name:<12} {_gib(size)}" for name, size in self.parts.items()]
+        out.append(f"  {'total':<12} {_gib(self.total)}")
+        if self.device_total is not None:
+            out.append(f"  {self.device} has {_gib(self.device_total)}, {_gib(self.device_bytes)} free")
+        elif self.device_bytes is not None:
+            sharing = f" for {self.ranks_sharing} ranks" if self.ranks_sharing > 1 else ""
+            out.append(f"  {self.device}: {_gib(self.device_bytes)} available{sharing}")
+        return out
+
+    def problem(self) -> str | None:
+        """None when the plan fits; else one line: how much it needs of how much, and what fits."""
+        if self.fits():
+            return None
+        options = []
+        train = self.train
+        if train.activation_checkpointing != "full":
+            full = self.replan(activation_checkpointing="full")
+            if full.fits():
+                options.append("train.activation_checkpointing: full")
+        accum = smallest_fitting_accumulation(self.model_config, train, self.world_size, self.device)
+        if accum is not None:
+            options.append(f"train.grad_accum_steps: {accum}")
+        needs = f"needs {_gib(self.total * self.ranks_sharing)} of {_gib(self.device_bytes)} on {self.device}"
+        if self.ranks_sharing > 1:
+            needs += f" ({self.ranks_sharing} ranks of {_gib(self.total)})"
+        if options:
+            return f"{needs}: set {' or '.join(options)}"
+        return (
+            f"{needs}, and does not fit even with train.grad_accum_steps at the per-rank batch "
+            f"({train.batch_size // self.world_size}) and full activation checkpointing: lower "
+            f"model.context_length, the model's size or train.batch_size, or add ranks (train.world_size)"
+        )
+
+    def replan(self, **train_changes) -> MemoryPlan:
+        """The plan of the same run with other train keys."""
+        train = dataclasses.replace(self.train, **train_changes)
+        return plan_memory(self.model_config, train, self.world_size, self.device)
+
+
+def plan_memory(
+    model_config: dict, train: TrainConfig, world_size: int, device: torch.device | str = "cpu"
+) -> MemoryPlan:
+    """The per-rank memory plan of training Transformer(**model_config) under `train` on `device`."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(**model_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parts = {
+        "parameters": sum(p.numel() * 4 for p in model.parameters()),
+        "gradients": sum(p.numel() * 4 for p in trainable),
+        "optimizer": _optimizer_state_bytes(model, train, world_size),
+    }
+    micro = micro_batch_size(train.batch_size, world_size, train.grad_accum_steps)
+    dtype = resolve_dtype(train.dtype, device)
+    parts["activations"] = step_activation_bytes(model_config, micro, dtype, train.activation_checkpointing)
+    parts["framework"] = CUDA_CONTEXT_BYTES if device.type == "cuda" else _resident_bytes()
+    available, total = device_memory(device)
+    sharing = ranks_on_this_machine(world_size) if device.type == "cpu" else 1
+    return MemoryPlan(parts, str(device), available, total, train, world_size, dict(model_config), sharing)
+
+
+def _optimizer_state_bytes(model: Transformer, train: TrainConfig, world_size: int) -> int:
+    """Bytes of optimizer state on the rank that holds the most: per element 8 (AdamW's two moments)
+    or 4 (Muon's momentum), for all parameters or, sharded, the largest rank's share."""
+    groups = build_optimizer(model, train, world_size=1).param_groups  # the groups, unsharded
+    per_element = [4 if group.get("use_muon") else 8 for group in groups]
+    if world_size == 1 or not train.shard_optimizer:
+        return sum(
+            b * p.numel() for b, group in zip(per_element, groups, strict=True) for p in group["params"]
+        )
+    elements, state = [0] * world_size, [0] * world_size
+    for b, group in zip(per_element, groups, strict=True):
+        sizes = [p.numel() for p in group["params"]]
+        for rank, size in zip(assign_owners(sizes, elements), sizes, strict=True):
+            state[rank] += b * size
+    return max(state)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The largest number of bytes held at once by tensors made while it is active: every op's new
+    output storage counted when it appears and uncounted when the last tensor on it is freed (views
+    share their base's storage; in-place ops make nothing new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor._base is None and id(tensor) not in self._sizes:
+                self._sizes[id(tensor)] = tensor.untyped_storage().nbytes()
+                self.live += self._sizes[id(tensor)]
+                weakref.finalize(tensor, self._free, id(tensor))
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+
+def step_activation_bytes(
+    model_config: dict, micro_batch: int, dtype: torch.dtype, activation_checkpointing: str
+) -> int:
+    """The peak bytes of one micro-batch's forward, loss and backward beyond the parameters and their
+    gradients: what autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
+
+    The step runs on fake tensors (shapes only: no data, no memory, no arithmetic), with every
+    gradient already allocated, as DDP's buckets hold them, and every new tensor's storage is counted
+    while it lives. The kernels are the CPU's (on CUDA, fused attention needs about the same).
+    """
+    with torch.device("meta"):
+        model = Transformer(**model_config)
+    model.set_activation_checkpointing(activation_checkpointing)
+    model.train()
+    context, cpu = model_config["context_length"], torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device=cpu)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        ids = torch.zeros(micro_batch, context + 1, dtype=torch.long)
+        with _LiveBytes() as tracker:
+            with autocast(cpu, dtype):
+                logits = model(ids[:, :-1])
+            loss = cross_entropy(logits, ids[:, 1:])
+            del logits
+            loss.backward()
+            del loss
+    return tracker.peak
+
+
+def smallest_fitting_accumulation(
+    model_config: dict, train: TrainConfig, world_size: int, device: torch.device | str
+) -> int | None:
+    """The smallest train.grad_accum_steps (a divisor of the per-rank batch) whose plan fits the
+    device, or None when none does (not even one sequence per micro-step)."""
+    per_rank = train.batch_size // world_size
+    for accum in (a for a in range(1, per_rank + 1) if per_rank % a == 0):
+        if plan_memory(
+            model_config, dataclasses.replace(train, grad_accum_steps=accum), world_size, device
+        ).fits():
+            return accum
+    return None
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(bytes a run may use, the device's total or None): CUDA's free and total memory, or on the
+    CPU the available RAM (MemAvailable of /proc/meminfo; None where it cannot be read)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, total
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, None
+    except OSError:
+        pass
+    return None, None
+
+
+@functools.cache
+def _resident_bytes() -> int:
+    """This process's resident memory (VmRSS) when first asked: Python, torch and what was loaded by
+    then; the same for every plan of a process, so that plans compare."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _gib(size: int | None) -> str:
+    """A size in GiB, or in MiB below one GiB."""
+    if size is None:
+        return "?"
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
