@@ -391,11 +391,12 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients_exac
         grads, forwards = gradients_and_recomputations(model, ids, mode, dtype)
         assert forwards == 3 + recomputed, mode
         assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True)), mode
-    with torch.no_grad():  # nothing is recomputed where autograd does not record
-        model.set_activation_checkpointing("full")
-        cache = model.new_kv_cache(3)
-        model.eval()
-        assert torch.equal(model(ids, kv_cache=cache), model(ids))
+    model.set_activation_checkpointing("full")
+    model.eval()
+    with torch.no_grad():  # where autograd does not record there is nothing to recompute
+        checkpointed = model(ids)
+        model.set_activation_checkpointing("none")
+        assert torch.equal(checkpointed, model(ids))
 
 
 def test_activation_checkpointing_saves_activation_memory():
@@ -440,3 +441,24 @@ def test_activation_checkpointing_of_compiled_blocks_keeps_their_gradients():
     for mode in ("full", "selective"):
         grads, _ = gradients_and_recomputations(model, ids, mode)
         assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True)), mode
+
+
+@pytest.mark.parametrize("seq_len", [5, 128, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_causal_attention_matches_torch_sdpa_either_side_of_the_matmul_path(seq_len, dtype):
+    """At most MATMUL_ATTENTION_MAX_LENGTH positions on the CPU, matmuls and a float32 softmax;
+    beyond, the fused kernel: both against F.scaled_dot_product_attention in float64."""
+    from tinylm.model.attention import MATMUL_ATTENTION_MAX_LENGTH, fast_causal_attention
+
+    assert MATMUL_ATTENTION_MAX_LENGTH == 128
+    torch.manual_seed(seq_len)
+    q, k, v = (torch.randn(2, 3, seq_len, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = fast_causal_attention(q, k, v)
+    out.float().square().sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*exact, is_causal=True)
+    expected.square().sum().backward()
+    tol = dict(rtol=5e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), expected, **tol)
+    for ours, reference in zip((q, k, v), exact, strict=True):
+        torch.testing.assert_close(ours.grad.double(), reference.grad, **tol)

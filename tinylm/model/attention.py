@@ -3,8 +3,11 @@
 Two paths compute the same numbers:
 - `scaled_dot_product_attention`, the readable reference: softmax(Q K^T / sqrt(d_k)) V with a mask,
   which materialises the whole [T, T] score matrix per head;
-- the default fast path, torch.nn.functional.scaled_dot_product_attention(is_causal=True), a fused
-  kernel that never stores the score matrix and so saves both time and memory.
+- the default fast path, `fast_causal_attention`: torch.nn.functional.scaled_dot_product_attention
+  (is_causal=True), a fused kernel that never stores the score matrix and so saves both time and
+  memory; on the CPU, for sequences of at most MATMUL_ATTENTION_MAX_LENGTH positions, the same
+  formula in two matmuls and torch's softmax, which trains faster there (the fused CPU kernel's
+  backward is slow on short sequences: bench/RESULTS.md, "The recipe lab").
 
 With a KVCache (generation), the new positions' keys and values are appended to those of the
 positions before them, and the new queries attend to all of them; without one (training), nothing
@@ -49,6 +52,31 @@ def scaled_dot_product_attention(
     return probs @ v
 
 
+# On the CPU the fused kernel's forward and backward of a short sequence take about twice the time of
+# two matmuls and a softmax (measured at 64 and 128 positions, batch x length = 2,048, one thread);
+# from about 160 positions on, the fused kernel is faster.
+MATMUL_ATTENTION_MAX_LENGTH = 128
+
+
+def fast_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Causal attention of q, k, v [B, H, T, d_head] by PyTorch's kernels -> [B, H, T, d_head].
+
+    F.scaled_dot_product_attention(is_causal=True), except on the CPU for T <= MATMUL_ATTENTION_MAX_LENGTH:
+    scores by a matmul, masked, torch.softmax in float32, cast back, dropout, a matmul with v.
+    """
+    T = q.shape[-2]
+    if q.device.type != "cpu" or T > MATMUL_ATTENTION_MAX_LENGTH:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~causal_mask(T, device=q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:
     """[seq_len, seq_len] bool mask, True on and below the diagonal: position i sees positions <= i."""
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
@@ -60,7 +88,7 @@ class CausalSelfAttention(nn.Module):
     q, k and v come from one fused projection qkv_proj: d_model -> 3 * d_model (one matmul instead of
     three; its weight is the q, k and v weights stacked in that order). RoPE rotates q and k per head.
     forward: x [B, T, d_model] -> [B, T, d_model].
-    `use_fast_attention` picks the fused PyTorch kernel (default) or the reference path.
+    `use_fast_attention` picks PyTorch's kernels (default, `fast_causal_attention`) or the reference path.
     With `kv_cache`, x holds positions kv_cache.length .. kv_cache.length + T - 1, and this layer
     (number `layer`) appends their keys and values to the cache.
 
@@ -136,7 +164,7 @@ class CausalSelfAttention(nn.Module):
                 qk = self.rope(qk)  # q and k rotated in one call, positions 0 .. T-1
             q, k = qk.unbind(0)
             if self.use_fast_attention:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+                out = fast_causal_attention(q, k, v, dropout_p)
             else:
                 mask = causal_mask(T, device=x.device)
                 out = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p)
