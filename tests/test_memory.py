@@ -135,7 +135,8 @@ def test_the_smallest_fitting_accumulation_is_the_brute_force_one(monkeypatch):
 
 
 def test_a_run_that_does_not_fit_is_refused_before_launch_and_auto_says_why(tiny_data, tmp_path):
-    huge = {"context_length": 4096, "d_model": 2048, "num_layers": 24, "num_heads": 16, "d_ff": 5504}
+    # 1.6 billion parameters: with their gradients and AdamW's moments more than this machine holds.
+    huge = {"context_length": 2048, "d_model": 4096, "num_layers": 8, "num_heads": 32, "d_ff": 11008}
     config = write_tiny_config(tmp_path / "c.yaml", model=huge, train={"world_size": 1, "batch_size": 64})
     planned = pretrain(tiny_data, config, tmp_path / "p", extra=("--plan",))
     assert planned.returncode == 1

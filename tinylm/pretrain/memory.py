@@ -217,14 +217,27 @@ def smallest_fitting_accumulation(
     model_config: dict, train: TrainConfig, world_size: int, device: torch.device | str
 ) -> int | None:
     """The smallest train.grad_accum_steps (a divisor of the per-rank batch) whose plan fits the
-    device, or None when none does (not even one sequence per micro-step)."""
+    device, or None when none does (not even one sequence per micro-step).
+
+    A plan's total only shrinks as the accumulation grows (the micro-batch shrinks, nothing else
+    changes), so the divisors are bisected: a few plans, not one per divisor.
+    """
     per_rank = train.batch_size // world_size
-    for accum in (a for a in range(1, per_rank + 1) if per_rank % a == 0):
-        if plan_memory(
+    divisors = [a for a in range(1, per_rank + 1) if per_rank % a == 0]
+
+    def fits(accum: int) -> bool:
+        return plan_memory(
             model_config, dataclasses.replace(train, grad_accum_steps=accum), world_size, device
-        ).fits():
-            return accum
-    return None
+        ).fits()
+
+    low, high = 0, len(divisors)  # the answer is divisors[high] once low == high (none: high == len)
+    while low < high:
+        middle = (low + high) // 2
+        if fits(divisors[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return divisors[high] if high < len(divisors) else None
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
