@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import random
 import tempfile
 from collections import Counter
@@ -389,3 +390,72 @@ def test_invalid_utf8_can_be_replaced(tmp_path, caplog):
         vocab, merges = train_bpe(corpus, 270, [], num_workers=1, errors="replace", progress=False)
     assert "replaced 4 invalid UTF-8 bytes" in caplog.text and "bad.txt" in caplog.text
     assert "\ufffd".encode() in vocab.values()  # the most frequent pairs were U+FFFD's bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# Training on the first documents (tokenizer.max_train_bytes)
+
+
+def test_a_byte_budget_trains_on_the_whole_documents_that_fit(tmp_path):
+    """The merges are train_bpe's on a file of exactly the documents that fit, built here from the
+    document list; the cut lands on a document boundary and the temporary sample is removed."""
+    rng = random.Random(7)
+    docs = [varied_text(rng, rng.randint(20, 60), None).replace("<|endoftext|>", "") for _ in range(40)]
+    text = "<|endoftext|>".join(docs)
+    path = write(tmp_path, "train.txt", text)
+    budget = len(text.encode()) // 2
+    kept, used = [], 0
+    for i, doc in enumerate(docs):  # whole documents, each after the first behind its separator
+        size = len(doc.encode()) + (len("<|endoftext|>") if i else 0)
+        if used + size > budget:
+            break
+        kept.append(doc)
+        used += size
+    (tmp_path / "expected").mkdir()
+    expected_path = write(tmp_path / "expected", "kept.txt", "<|endoftext|>".join(kept))
+    expected = train_bpe(expected_path, 320, ["<|endoftext|>"], num_workers=1, progress=False)
+    out = tmp_path / "out" / "tokenizer.json"
+    tokenizer = train_tokenizer(
+        path, out, 320, ["<|endoftext|>"], num_workers=1, max_train_bytes=budget, progress=False
+    )
+    assert (tokenizer.vocab, tokenizer.merges) == expected
+    assert os.listdir(out.parent) == ["tokenizer.json"]  # no sample left behind
+    whole = train_tokenizer(
+        path, tmp_path / "whole.json", 320, ["<|endoftext|>"], num_workers=1, progress=False
+    )
+    assert whole.merges != tokenizer.merges  # the budget did change what was trained on
+    same = train_tokenizer(
+        path,
+        tmp_path / "big.json",
+        320,
+        ["<|endoftext|>"],
+        num_workers=1,
+        max_train_bytes=10**9,
+        progress=False,
+    )
+    assert same.merges == whole.merges  # a budget above the file's size: all of it
+
+
+def test_a_first_document_longer_than_the_budget_is_cut_on_a_character_boundary(tmp_path, capsys):
+    from tinylm.tokenizer.bpe import training_sample
+
+    text = "ab" + "é" * 50 + "<|endoftext|>tail"  # é is two bytes: byte 3 is inside a character
+    path = write(tmp_path, "t.txt", text)
+    with training_sample(path, 5, tmp_path) as sample:
+        cut = sample.read_bytes()
+    assert cut == "abé".encode() and cut.decode("utf-8")  # 4 bytes: 5 would split the second é
+    assert "part of its first document" in capsys.readouterr().err
+    with training_sample(path, len(text.encode()) - 2, tmp_path) as sample:
+        assert sample.read_bytes() == text[: text.index("<|endoftext|>")].encode()
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_a_budget_of_zero_or_below_is_refused_naming_the_key(tmp_path, value):
+    from tinylm.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match=f"tokenizer.max_train_bytes: {value} is out of range"):
+        from_dict({"tokenizer": {"max_train_bytes": value}})
+    path = write(tmp_path, "t.txt", "some text")
+    with pytest.raises(ValueError, match="tokenizer.max_train_bytes"):
+        train_tokenizer(path, tmp_path / "tok.json", 300, ["<|endoftext|>"], max_train_bytes=value)
+    assert not (tmp_path / "tok.json").exists()

@@ -69,7 +69,14 @@ def cmd_train_tokenizer(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.tokenizer import train_tokenizer
 
     t = cfg.tokenizer
-    train_tokenizer(args.input, args.output, t.vocab_size, t.special_tokens, num_workers=t.num_workers)
+    train_tokenizer(
+        args.input,
+        args.output,
+        t.vocab_size,
+        t.special_tokens,
+        num_workers=t.num_workers,
+        max_train_bytes=t.max_train_bytes,
+    )
 
 
 def cmd_encode(cfg: Config, args: argparse.Namespace) -> None:

@@ -97,6 +97,14 @@ class TokenizerConfig:
     num_workers: int | None = key(
         None, lo=1, help="pre-tokenization processes; `null` = all cores (never changes the result)"
     )
+    max_train_bytes: int | None = key(
+        None,
+        lo=1,
+        help="train on the first documents of train.txt that fit in this many bytes; `null` = all of it",
+        more="Cut at a document boundary (the same cut every run); a first document longer than this is cut "
+        "to it. A few GB of text give the merges of a corpus of tens of GB (the corpus-scale recipes set "
+        "it); the token files still encode all of train.txt",
+    )
 
 
 @dataclass

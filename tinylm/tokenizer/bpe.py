@@ -22,16 +22,20 @@ Built for corpora of gigabytes, where there are tens of millions of distinct pre
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import logging
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
 
 from tqdm import tqdm
 
-from tinylm.config.keys import UINT16_VOCAB_LIMIT
+from tinylm.config.keys import END_OF_TEXT, UINT16_VOCAB_LIMIT
 from tinylm.tokenizer.pair_index import PairIndex, pack_words
 from tinylm.tokenizer.pretokenize import check_readable, check_special_tokens, count_pretokens
 from tinylm.tokenizer.tokenizer import Tokenizer
@@ -200,21 +204,98 @@ def train_tokenizer(
     special_tokens: Sequence[str] | None = None,
     num_workers: int | None = None,
     *,
+    max_train_bytes: int | None = None,
     errors: str = "strict",
     progress: bool = True,
 ) -> Tokenizer:
     """The `train-tokenizer` stage: train BPE on `input_path`, write `output_path` atomically.
 
-    All input is validated before anything is written; on any error `output_path` is untouched.
-    Also refuses `vocab_size` above 65536, the most ids a uint16 token file holds.
+    With `max_train_bytes`, on the first documents of the file only (`training_sample`): the usual
+    practice at corpus scale, where a few GB of text give the merges of the whole. All input is
+    validated before anything is written; on any error `output_path` is untouched. Also refuses
+    `vocab_size` above 65536, the most ids a uint16 token file holds.
     """
     if isinstance(vocab_size, int) and vocab_size > UINT16_VOCAB_LIMIT:
         raise ValueError(
             f"vocab_size {vocab_size} is above {UINT16_VOCAB_LIMIT}, the most ids a uint16 token file holds"
         )
-    vocab, merges = train_bpe(
-        input_path, vocab_size, special_tokens, num_workers, errors=errors, progress=progress
-    )
+    if max_train_bytes is not None and max_train_bytes < 1:
+        raise ValueError(f"tokenizer.max_train_bytes: {max_train_bytes} must be at least 1 (or null: all)")
+    path = check_readable(input_path)
+    with training_sample(path, max_train_bytes, Path(output_path).parent) as sample:
+        vocab, merges = train_bpe(
+            sample, vocab_size, special_tokens, num_workers, errors=errors, progress=progress
+        )
     tokenizer = Tokenizer(vocab, merges, special_tokens)
     tokenizer.save(output_path)
     return tokenizer
+
+
+@contextlib.contextmanager
+def training_sample(path: Path, max_bytes: int | None, scratch_dir: Path) -> Iterator[Path]:
+    """The file to train on: `path` itself, or a temporary copy of its first documents that fit in
+    `max_bytes` (removed afterwards).
+
+    Documents are joined by END_OF_TEXT, so the sample ends where the last separator that starts
+    within the first `max_bytes` starts: whole documents only, the same cut on every run. When the
+    first document alone is longer, the sample is its first `max_bytes` bytes, cut back to a UTF-8
+    character boundary. The file is copied in blocks; only the bytes near the cut are searched.
+    """
+    size = path.stat().st_size
+    if max_bytes is None or size <= max_bytes:
+        yield path
+        return
+    separator = END_OF_TEXT.encode()
+    with open(path, "rb") as f:
+        cut = _last_separator_start(f, max_bytes, separator)
+        whole_documents = cut is not None
+        if cut is None:
+            cut = max_bytes
+            f.seek(cut)
+            while cut > 0 and (f.read(1)[0] & 0xC0) == 0x80:  # a UTF-8 continuation byte: back up
+                cut -= 1
+                f.seek(cut)
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".train_sample.", suffix=".txt", dir=scratch_dir)
+        sample = Path(name)
+        try:
+            documents = 1
+            with os.fdopen(fd, "wb") as out:
+                f.seek(0)
+                left, tail = cut, b""
+                while left:
+                    block = f.read(min(SAMPLE_BLOCK_BYTES, left))
+                    left -= len(block)
+                    documents += (tail + block).count(separator) - tail.count(separator)
+                    tail = (tail + block)[-(len(separator) - 1) :]
+                    out.write(block)
+            how = f"{documents:,} whole documents" if whole_documents else "part of its first document"
+            print(
+                f"[train-tokenizer] training on the first {cut:,} of {size:,} bytes of {path} "
+                f"({how}; tokenizer.max_train_bytes {max_bytes:,})",
+                file=sys.stderr,
+                flush=True,
+            )
+            yield sample
+        finally:
+            sample.unlink(missing_ok=True)
+
+
+SAMPLE_BLOCK_BYTES = 16 << 20  # the sample is copied and searched in blocks of this size
+
+
+def _last_separator_start(f: BinaryIO, limit: int, separator: bytes) -> int | None:
+    """The offset of the last `separator` that starts at or before `limit` - 1 and ends by `limit`;
+    None when there is none. Searches backwards from `limit`, a block at a time."""
+    end = limit
+    while end > 0:
+        start = max(0, end - SAMPLE_BLOCK_BYTES)
+        f.seek(start)
+        block = f.read(end - start)
+        found = block.rfind(separator)
+        if found >= 0:
+            return start + found
+        if start == 0:
+            return None
+        end = start + len(separator) - 1  # a separator across the block boundary is found next time
+    return None
