@@ -34,7 +34,9 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
 4. The same global batch on world size 1 with two threads (plain model + AdamW) for comparison.
 5. Overlap: the fraction of backward's wall time that passes before the first all-reduce starts
    (tinylm DDP, 1 MB buckets), eager, with each Transformer block compiled (as the trainer does),
-   and with the whole model compiled; the median of 5 steps after 2 warm-up steps.
+   with the whole model compiled, and eager and block-compiled with full activation checkpointing
+   (each block recomputed in backward); the median of 5 steps after 2 warm-up steps.
+   `--only-overlap` runs this part alone.
 """
 
 from __future__ import annotations
@@ -410,10 +412,21 @@ def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
 # ---------------------------------------------------------------- 5. overlap of communication and backward
 
 
+OVERLAP_VARIANTS = (
+    "eager",
+    "compiled blocks",
+    "compiled whole model",
+    "eager, full activation checkpointing",
+    "compiled blocks, full activation checkpointing",
+)
+
+
 def run_overlap(ctx, args, how: str, out_path: str) -> None:
     """Fraction of backward's wall time before the first all-reduce starts (median of 5 steps)."""
     model = make_model()
-    if how == "compiled blocks":
+    if "full activation checkpointing" in how:
+        model.set_activation_checkpointing("full")
+    if how.startswith("compiled blocks"):
         for block in model.layers:
             block.compile()
     elif how == "compiled whole model":
@@ -553,7 +566,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--only-overlap", action="store_true", help="part 5 alone: print each fraction")
     args = parser.parse_args()
+    if args.only_overlap:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, how in enumerate(OVERLAP_VARIANTS):
+                out = Path(tmp) / f"overlap{i}.json"
+                launch(run_overlap, args=(args, how, str(out)), world_size=2, backend="gloo", timeout_s=600)
+                fraction = json.loads(out.read_text())["fraction"]
+                print(f"| {how} | {fraction:.0%} |", flush=True)
+        return
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     common = dict(world_size=2, backend="gloo", threads_per_rank=1, timeout_s=600)
@@ -584,7 +606,7 @@ def main() -> None:
         two, one = json.loads((tmp / "two.json").read_text()), json.loads((tmp / "one.json").read_text())
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
         overlap = {}
-        for i, how in enumerate(("eager", "compiled blocks", "compiled whole model")):
+        for i, how in enumerate(OVERLAP_VARIANTS):
             launch(run_overlap, args=(args, how, str(tmp / f"overlap{i}.json")), **common)
             overlap[how] = json.loads((tmp / f"overlap{i}.json").read_text())["fraction"]
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
