@@ -442,7 +442,9 @@ def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, 
     lines = proc.stderr.splitlines()
     assert lines and all(line.startswith("[pretrain wide-2] ") for line in lines), proc.stderr
     assert "\r" not in proc.stderr
-    header = "\n".join(lines[:2])
+    first = next(i for i, line in enumerate(lines) if "] model: " in line)
+    assert "memory plan per rank" in lines[0] and any(" total " in line for line in lines[:first])
+    header = "\n".join(lines[first : first + 2])
     for words in [
         "parameters (vocab 300, d_model 32",
         "12 steps of 128 tokens (batch 8 x context 16)",
