@@ -9,7 +9,6 @@ the test reads.
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -365,10 +364,13 @@ def traffic_of_one_step(ctx, out_dir: str) -> None:
 
 
 def overlap_in_backward(ctx, out_dir: str, compile_blocks: bool) -> None:
-    """When, within backward's wall time, the first bucket's all-reduce starts (eager or compiled blocks).
+    """How many gradients backward had produced when the first bucket's all-reduce was called.
 
-    Two warm-up steps (compilation) first; then the fraction of backward's time that passed before
-    the first all_reduce call, the median of five steps. Also checks that the compiled model trains
+    An ordering, not a timing (the timing is bench/ddp.py's): each parameter gets a hook that
+    counts it once its gradient is accumulated, registered after DDP's own, and a wrapped
+    all_reduce records the count at its first call. Overlap means the first all-reduce is called
+    while most gradients are still to come; a DDP that only reduced after backward would see all
+    of them. Two warm-up steps (compilation) first. Also checks that the compiled model trains
     like the eager one.
     """
     world, rank = ctx.world_size, ctx.rank
@@ -379,33 +381,36 @@ def overlap_in_backward(ctx, out_dir: str, compile_blocks: bool) -> None:
             block.compile()
     ddp = DDP(model, bucket_size_mb=0.05)  # the output head alone is more than one bucket
     eager_ddp = DDP(eager, bucket_size_mb=0.05)
+    ready = []
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p: ready.append(p))
+    total = sum(1 for _ in model.parameters())
     optimizer, eager_optimizer = AdamW(model.parameters(), lr=1e-3), AdamW(eager.parameters(), lr=1e-3)
     original = dist.all_reduce
     fractions = []
-    for step in range(7):
+    for step in range(5):
         ids = torch.randint(0, 256, (8 * world, 33), generator=torch.Generator().manual_seed(step))
         x, y = rank_slice(ids[:, :-1], rank, world), rank_slice(ids[:, 1:], rank, world)
         for d, opt in ((ddp, optimizer), (eager_ddp, eager_optimizer)):
             d.zero_grad()
             loss = cross_entropy(d(x), y)
+            ready.clear()
             first = []
 
-            def timed_all_reduce(tensor, *args, first=first, **kwargs):
+            def counted_all_reduce(tensor, *args, first=first, **kwargs):
                 if not first:
-                    first.append(time.perf_counter())
+                    first.append(len(ready))
                 return original(tensor, *args, **kwargs)
 
-            dist.all_reduce = timed_all_reduce
+            dist.all_reduce = counted_all_reduce
             try:
-                began = time.perf_counter()
                 loss.backward()
-                ended = time.perf_counter()
             finally:
                 dist.all_reduce = original
             d.finish_gradient_sync()
             opt.step()
             if d is ddp and step >= 2:
-                fractions.append((first[0] - began) / (ended - began) if first else 1.0)
+                fractions.append(first[0] / total if first else 1.0)
+                assert len(ready) == total, (len(ready), total)
         assert_params_close(model, eager, 1e-4, f"compiled against eager, step {step}")
-    fractions.sort()
-    write_result(out_dir, rank, {"fraction": fractions[len(fractions) // 2], "fractions": fractions})
+    write_result(out_dir, rank, {"fractions": fractions})

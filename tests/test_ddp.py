@@ -138,4 +138,5 @@ def test_sharded_step_sends_no_more_than_ddp_alone(launched):
 def test_first_all_reduce_starts_early_in_backward(tmp_path, compile_blocks):
     launch(_ddp_ranks.overlap_in_backward, args=(str(tmp_path), compile_blocks), world_size=2, timeout_s=300)
     for result in read_results(tmp_path, 2):
-        assert result["fraction"] < 0.6, result["fractions"]
+        assert len(result["fractions"]) == 3
+        assert all(fraction < 0.5 for fraction in result["fractions"]), result["fractions"]
