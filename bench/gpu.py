@@ -44,6 +44,8 @@ VARIANTS = {
     "native": ("native", False, False, "none"),
     "native+compile": ("native", True, False, "none"),
     "tinylm": ("tinylm", False, False, "none"),
+    "tinylm, full checkpointing": ("tinylm", False, False, "full"),
+    "tinylm, selective checkpointing": ("tinylm", False, False, "selective"),
     "tinylm+compile": ("tinylm", True, False, "none"),
     "tinylm+compile, deterministic": ("tinylm", True, True, "none"),
     "tinylm+compile, full checkpointing": ("tinylm", True, False, "full"),
@@ -115,6 +117,26 @@ class FusedNativeTransformer(torch.nn.Module):
         return self.lm_head(self.ln_final(x))
 
 
+def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str) -> float:
+    """The memory plan's total without its framework part (tinylm/pretrain/memory.py): what
+    torch.cuda.max_memory_allocated should see for one rank training this shape with AdamW in bf16."""
+    from tinylm.config import from_dict
+    from tinylm.pretrain.memory import plan_memory
+
+    train = from_dict(
+        {
+            "train": {
+                "world_size": 1,
+                "batch_size": batch_size,
+                "dtype": "bfloat16",
+                "activation_checkpointing": checkpointing,
+            }
+        }
+    ).train
+    plan = plan_memory(dict(shape), train, 1, "cpu")
+    return (plan.total - plan.parts["framework"]) / 2**20
+
+
 def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> dict:
     from tinylm.nn_utils import gradient_clip
     from tinylm.precision import autocast, configure_kernels
@@ -166,8 +188,10 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> 
     tok_s = tokens / statistics.median(times)
     peak = peak_flops(device, dtype, tf32=not deterministic)
     utilisation = mfu(tok_s, flops_per_token(shape), peak, 1)
+    planned = planned_tensor_mib(shape, batch_size, checkpointing) if impl == "tinylm" else None
     return {
         "variant": name,
+        "planned_tensor_mib": planned,
         "tokens_per_s": tok_s,
         "mfu": utilisation,
         "peak_memory_mib": peak_memory_mib(device),
@@ -208,8 +232,11 @@ def main() -> None:
         f"{shape['context_length']} tokens, bf16 autocast, torch {torch.__version__}; median of "
         f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n"
     )
-    print("| variant | device | tokens/s | vs native (same compile) | MFU | peak memory MiB | warm-up s |")
-    print("|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print(
+        "| variant | device | tokens/s | vs native (same compile) | MFU | peak memory MiB "
+        "| planned MiB (plan / peak) | warm-up s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     results, by_name = [], {}
     for name in args.variants:
         cmd = [
@@ -234,9 +261,11 @@ def main() -> None:
         native = by_name.get("native+compile" if "compile" in name else "native")
         ratio = f"{r['tokens_per_s'] / native['tokens_per_s']:.2f}x" if native and native is not r else "-"
         utilisation = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        planned = r["planned_tensor_mib"]
+        plan = "-" if planned is None else f"{planned:,.0f} ({planned / r['peak_memory_mib']:.2f})"
         print(
             f"| {name} | {r['device']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
-            f"{r['peak_memory_mib']:,.0f} | {r['warmup_s']:.1f} |",
+            f"{r['peak_memory_mib']:,.0f} | {plan} | {r['warmup_s']:.1f} |",
             flush=True,
         )
         if args.out:
