@@ -3,7 +3,10 @@
 For each shape and activation checkpointing mode: `python -m tinylm pretrain --plan` (the plan's
 total per rank), then the same command without `--plan` for a few steps (rank 0's peak resident
 memory, VmHWM, from the log's last progress line: the training peak, before the final checkpoint is
-written). Prints a markdown table: planned, measured, planned / measured.
+written), twice: with glibc's default allocator, which keeps freed memory for reuse (so the RSS
+also holds its heap's slack), and with MALLOC_MMAP_THRESHOLD_=1 MiB, which gives every large tensor
+its own mapping, returned when freed (so the RSS holds the tensors and little else). The plan
+counts tensors. Prints a markdown table: planned, measured both ways, planned / measured.
 
     python bench/memory_plan.py                     # the shapes below; needs results/tokens and
                                                     # results/tokenizer of the default run
@@ -13,6 +16,7 @@ written). Prints a markdown table: planned, measured, planned / measured.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -56,7 +60,7 @@ SHAPES = {
 }
 
 
-def pretrain(config: Path, folder: Path, *extra: str) -> subprocess.CompletedProcess:
+def pretrain(config: Path, folder: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     results = ROOT / "results"
     command = [
         *(sys.executable, "-m", "tinylm", "pretrain", "--config", str(config)),
@@ -66,7 +70,9 @@ def pretrain(config: Path, folder: Path, *extra: str) -> subprocess.CompletedPro
         *("--state-dir", str(folder / "state"), "--checkpoint-dir", str(folder / "ckpt")),
         *("--tensorboard-dir", str(folder / "tb"), *extra),
     ]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, timeout=1800, env={**os.environ, **(env or {})}
+    )
 
 
 def main() -> None:
@@ -76,8 +82,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    print("| shape | planned total per rank, MiB | measured peak RSS of rank 0, MiB | planned / measured |")
-    print("|---|---:|---:|---:|", flush=True)
+    print(
+        "| shape | planned total per rank, MiB | peak RSS of rank 0, MiB | planned / RSS "
+        "| peak RSS, mmap threshold 1 MiB | planned / RSS |"
+    )
+    print("|---|---:|---:|---:|---:|---:|", flush=True)
     for name in args.only:
         model, train = SHAPES[name]
         cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
@@ -96,17 +105,20 @@ def main() -> None:
             config.write_text(yaml.safe_dump(cfg))
             plan = pretrain(config, folder, "--plan")
             planned = re.search(r"total\s+([\d.]+) (GiB|MiB)", plan.stderr)
-            run = pretrain(config, folder)
-            peaks = re.findall(r"peak mem ([\d,]+) MiB", run.stderr)
-        if plan.returncode or run.returncode or not planned or not peaks:
-            print(f"| {name} | failed: {(plan.stderr + run.stderr)[-300:]!r} | | |", flush=True)
+            runs = []
+            for i, env in enumerate([{}, {"MALLOC_MMAP_THRESHOLD_": str(2**20)}]):
+                runs.append(pretrain(config, folder / f"run{i}", env=env))
+        peaks = [re.findall(r"peak mem ([\d,]+) MiB", run.stderr) for run in runs]
+        if plan.returncode or any(run.returncode for run in runs) or not planned or not all(peaks):
+            failed = plan.stderr + "".join(run.stderr for run in runs)
+            print(f"| {name} | failed: {failed[-300:]!r} | | | | |", flush=True)
             continue
         planned_mib = float(planned.group(1)) * (1024 if planned.group(2) == "GiB" else 1)
-        measured_mib = float(peaks[-1].replace(",", ""))
-        print(
-            f"| {name} | {planned_mib:,.0f} | {measured_mib:,.0f} | {planned_mib / measured_mib:.2f} |",
-            flush=True,
-        )
+        row = f"| {name} | {planned_mib:,.0f} "
+        for found in peaks:
+            measured_mib = float(found[-1].replace(",", ""))
+            row += f"| {measured_mib:,.0f} | {planned_mib / measured_mib:.2f} "
+        print(row + "|", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,19 @@ def test_a_sharded_plan_holds_the_largest_share_and_the_shares_are_balanced():
     assert plan.parts["optimizer"] == max(shares) < whole.parts["optimizer"] == sum(shares)
 
 
+def test_views_and_aliases_count_no_new_bytes():
+    """The counter against a brute-force count of the distinct storages (by data pointer) that the
+    tensors made inside it hold: views, a detach, an in-place op and a reshape that must copy."""
+    base = torch.ones(64, 32)  # made before: its views count nothing
+    with memory._LiveBytes() as tracker:
+        a = torch.ones(256, 128)
+        made = [a, a.t(), a.view(-1), a.detach(), a[1:], a.mul_(2), a.t().reshape(-1), base.t(), base + 1]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in made[:-2] + made[-1:]}
+        assert tracker.live == tracker.peak == sum(storages.values())
+        del made, a
+        assert tracker.live == 0
+
+
 def test_the_step_estimate_covers_the_bytes_a_real_step_holds():
     """The fake step against the same step on real tensors, counted the same way: never below it,
     and at most a quarter above (fake tensors are freed a little later than real ones)."""
@@ -89,9 +102,14 @@ def test_the_step_estimate_covers_the_bytes_a_real_step_holds():
 
 
 @pytest.mark.slow
-def test_the_plan_is_within_20_percent_of_a_real_runs_peak_resident_memory(tiny_data, tmp_path):
+def test_the_plan_is_within_10_percent_of_a_real_runs_peak_resident_memory(tiny_data, tmp_path, monkeypatch):
     """A pretrain run where activations dominate (micro-batch 32 x 256): rank 0's peak RSS from the
-    log against the plan's total from `pretrain --plan`."""
+    log against the plan's total from `pretrain --plan`.
+
+    The plan counts tensors; glibc keeps freed memory for reuse, so a run's RSS also holds its heap's
+    slack (bench/RESULTS.md, "Models that fit"). A fixed mmap threshold gives every large tensor its
+    own mapping, returned when freed, so that the RSS holds the tensors and little else."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
     config = write_tiny_config(
         tmp_path / "c.yaml",
         model={"context_length": 256, "d_model": 128, "num_layers": 3, "num_heads": 4, "d_ff": 344},
@@ -106,7 +124,7 @@ def test_the_plan_is_within_20_percent_of_a_real_runs_peak_resident_memory(tiny_
     assert run.returncode == 0, run.stderr
     assert "memory plan per rank" in run.stderr  # the log's header has it too
     peak_mib = float(re.findall(r"peak mem ([\d,]+) MiB", run.stderr)[-1].replace(",", ""))
-    assert 0.8 < total_mib / peak_mib < 1.2, (total_mib, peak_mib)
+    assert 0.9 < total_mib / peak_mib < 1.1, (total_mib, peak_mib)
 
 
 def test_the_smallest_fitting_accumulation_is_the_brute_force_one(monkeypatch):

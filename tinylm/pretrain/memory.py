@@ -160,27 +160,46 @@ def _optimizer_state_bytes(model: Transformer, train: TrainConfig, world_size: i
 
 
 class _LiveBytes(TorchDispatchMode):
-    """The largest number of bytes held at once by tensors made while it is active: every op's new
-    output storage counted when it appears and uncounted when the last tensor on it is freed (views
-    share their base's storage; in-place ops make nothing new)."""
+    """The largest number of bytes held at once by the storages that ops make while it is active.
+
+    A storage is counted when an op first returns it and uncounted when the last tensor on it that
+    this mode saw is freed. Views and aliases (a transpose, a reshape that needs no copy, a detach)
+    share their input's storage and count nothing new; nor do views of storages made before (the
+    parameters, the input); in-place ops make nothing new.
+    """
 
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}  # storage -> its bytes
+        self._holders: dict[int, int] = {}  # storage -> live tensors seen on it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor._base is None and id(tensor) not in self._sizes:
-                self._sizes[id(tensor)] = tensor.untyped_storage().nbytes()
-                self.live += self._sizes[id(tensor)]
-                weakref.finalize(tensor, self._free, id(tensor))
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = _storage_key(tensor)
+            if key not in self._holders:
+                if key in inputs:  # a view of a storage made before this mode began
+                    continue
+                self._holders[key], self._sizes[key] = 0, tensor.untyped_storage().nbytes()
+                self.live += self._sizes[key]
+            self._holders[key] += 1
+            weakref.finalize(tensor, self._release, key)
         self.peak = max(self.peak, self.live)
         return out
 
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key)
+    def _release(self, key: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            del self._holders[key]
+            self.live -= self._sizes.pop(key)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
 
 
 def step_activation_bytes(
