@@ -79,7 +79,7 @@ def test_views_and_aliases_count_no_new_bytes():
         ours = made[:-2] + made[-1:]  # base.t() is a view of a storage made before
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ours}
         assert tracker.live == tracker.peak == sum(storages.values())
-        del made, a
+        del made, ours, a
         assert tracker.live == 0
 
 

@@ -161,7 +161,10 @@ def test_every_world_size_and_accumulation_trains_the_same_float64_weights_with_
     assert reference["lm_head.weight"].dtype == torch.float64
     assert finals[0]["optimizer"]["state"][2]["momentum_buffer"].dtype == torch.float64
     early = final_payload(Path(configs[0][1]), 4)["model"]
-    assert (reference["layers.0.ffn.w1.weight"] - early["layers.0.ffn.w1.weight"]).abs().max() > 1e-3
+    matrix = next(
+        name for name, tensor in reference.items() if name.startswith("layers.0.") and tensor.dim() == 2
+    )
+    assert (reference[matrix] - early[matrix]).abs().max() > 1e-3  # a Muon matrix moved after step 4
     for (world_size, accum), final in zip(LAYOUTS[1:], finals[1:], strict=True):
         for name, tensor in final["model"].items():
             diff = (tensor - reference[name]).abs().max().item()
