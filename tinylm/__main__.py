@@ -156,14 +156,9 @@ def print_memory_plan(cfg: Config, tokenizer_path: str) -> None:
     from tinylm.tokenizer import Tokenizer
 
     backend, note = resolve_backend(cfg.train.backend, cfg.train.world_size)
-    planned, plan = plan_run(cfg, len(Tokenizer.load(tokenizer_path).vocab), backend)
-    lines = ([note] if note else []) + plan.lines()
-    if cfg.train.grad_accum_steps == "auto":
-        lines.append(f"train.grad_accum_steps auto: {planned.train.grad_accum_steps} (the fewest that fit)")
-    for line in lines:
-        log_line(True, line)
-    if plan.problem():
-        raise ValueError(f"the run does not fit in memory: {plan.problem()}")
+    if note:
+        log_line(True, note)
+    plan_run(cfg, len(Tokenizer.load(tokenizer_path).vocab), backend, is_rank0=True)
 
 
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:

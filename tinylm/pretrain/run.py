@@ -24,7 +24,7 @@ from tinylm.parallel.launch import is_global_rank0, resolve_backend
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
-from tinylm.pretrain.memory import MemoryPlan, plan_memory, smallest_fitting_accumulation
+from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation
 from tinylm.pretrain.publish import publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.steps import committed_steps, step_manifest
@@ -37,13 +37,14 @@ def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
 
 
 def plan_run(
-    cfg: Config, vocab_size: int, backend: str, resumed_accumulation: int | None = None
-) -> tuple[Config, MemoryPlan]:
-    """The run's config with `train.grad_accum_steps: auto` resolved, and its memory plan on the
-    device of rank 0 (its first GPU with nccl, else the CPU).
+    cfg: Config, vocab_size: int, backend: str, is_rank0: bool, resumed_accumulation: int | None = None
+) -> Config:
+    """The run's memory plan on the device of rank 0 (its first GPU with nccl, else the CPU),
+    logged, and the run's config with `train.grad_accum_steps: auto` resolved.
 
     `auto` takes `resumed_accumulation` (what the run being resumed chose) when given, else the
-    smallest accumulation whose plan fits; none fitting is a ValueError saying what would.
+    smallest accumulation whose plan fits. A run that does not fit, or an `auto` that nothing fits,
+    is a ValueError saying by how much and what would fit.
     """
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     model_config, train = model_config_of(cfg, vocab_size), cfg.train
@@ -59,7 +60,16 @@ def plan_run(
                 ).problem()
             )
         cfg = replace(cfg, train=replace(train, grad_accum_steps=accum))
-    return cfg, plan_memory(model_config, cfg.train, cfg.train.world_size, device)
+    plan = plan_memory(model_config, cfg.train, cfg.train.world_size, device)
+    for line in plan.lines():
+        log_line(is_rank0, line)
+    if train.grad_accum_steps == "auto":
+        how = "the run's own, resumed" if resumed_accumulation else "the fewest that fit"
+        log_line(is_rank0, f"train.grad_accum_steps auto: {cfg.train.grad_accum_steps} ({how})")
+    problem = plan.problem()
+    if problem:
+        raise ValueError(f"the run does not fit in memory: {problem}")
+    return cfg
 
 
 def structural_hash(model_config: dict[str, Any]) -> str:
@@ -121,21 +131,7 @@ def train(
             check_resumable(manifest, identity, state_dir)
             _say_resume(is_rank0, manifest, train, state_dir, checkpoint_dir)
         if not steps or steps[-1] < train.max_iters:
-            cfg, plan = plan_run(cfg, vocab_size, backend, manifest.get("grad_accum_steps"))
-            for line in plan.lines():
-                log_line(is_rank0, line)
-            if train.grad_accum_steps == "auto":
-                log_line(
-                    is_rank0,
-                    f"train.grad_accum_steps auto: {cfg.train.grad_accum_steps}"
-                    + (
-                        " (the run's own, resumed)"
-                        if manifest.get("grad_accum_steps")
-                        else " (the fewest that fit)"
-                    ),
-                )
-            if plan.problem():
-                raise ValueError(f"the run does not fit in memory: {plan.problem()}")
+            cfg = plan_run(cfg, vocab_size, backend, is_rank0, manifest.get("grad_accum_steps"))
             identity["grad_accum_steps"] = cfg.train.grad_accum_steps
             spec = RunSpec(
                 cfg=cfg,
