@@ -151,8 +151,13 @@ def test_cross_entropy_in_row_chunks_is_the_same_bits_and_matches_torch(monkeypa
         return loss.detach(), z.grad
 
     whole = loss_and_grad()
-    monkeypatch.setattr(nn_utils, "LOSS_CHUNK_BYTES", 3 * 4 * 37)
-    assert [(s.start, s.stop) for s in nn_utils.row_chunks(10, 37)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    monkeypatch.setattr(nn_utils, "CPU_LOSS_CHUNK_BYTES", 3 * 4 * 37)
+    assert [(s.start, s.stop) for s in nn_utils.row_chunks(10, 37, torch.device("cpu"))] == [
+        (0, 3),
+        (3, 6),
+        (6, 9),
+        (9, 12),
+    ]
     chunked = loss_and_grad()
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     assert chunked[1].dtype == dtype
@@ -165,6 +170,22 @@ def test_cross_entropy_in_row_chunks_is_the_same_bits_and_matches_torch(monkeypa
     )
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("num_rows, vocab_size", [(2048, 4096), (5, 50_257), (16_384, 32_000), (3, 1 << 27)])
+def test_row_chunks_cover_every_row_once_within_the_device_bound(device, num_rows, vocab_size):
+    """In order, no gap, no overlap; each chunk's float32 rows within the device's bound unless a
+    single row is larger (then one row a chunk). No tensor is made: a CUDA device needs no GPU."""
+    import tinylm.nn_utils as nn_utils
+
+    limit = nn_utils.CPU_LOSS_CHUNK_BYTES if device == "cpu" else nn_utils.LOSS_CHUNK_BYTES
+    chunks = nn_utils.row_chunks(num_rows, vocab_size, torch.device(device))
+    covered = [row for chunk in chunks for row in range(num_rows)[chunk]]
+    assert covered == list(range(num_rows))
+    for chunk in chunks:
+        rows = len(range(num_rows)[chunk])
+        assert rows == 1 or rows * vocab_size * 4 <= limit
+
+
 def test_evaluation_token_losses_in_row_chunks_match_torch(monkeypatch):
     import tinylm.nn_utils as nn_utils
     from tinylm.evaluate import token_losses
@@ -172,6 +193,6 @@ def test_evaluation_token_losses_in_row_chunks_match_torch(monkeypatch):
     torch.manual_seed(1)
     logits, targets = torch.randn(11, 29, dtype=torch.bfloat16), torch.randint(0, 29, (11,))
     expected = F.cross_entropy(logits.float(), targets, reduction="none")
-    monkeypatch.setattr(nn_utils, "LOSS_CHUNK_BYTES", 2 * 4 * 29)
-    assert len(nn_utils.row_chunks(11, 29)) == 6
+    monkeypatch.setattr(nn_utils, "CPU_LOSS_CHUNK_BYTES", 2 * 4 * 29)
+    assert len(nn_utils.row_chunks(11, 29, torch.device("cpu"))) == 6
     torch.testing.assert_close(token_losses(logits, targets), expected)

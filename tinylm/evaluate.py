@@ -154,7 +154,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     large batch and vocabulary never hold [N, V] float32 temporaries.
     """
     out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
-    for rows in row_chunks(*logits.shape):
+    for rows in row_chunks(*logits.shape, logits.device):
         z = logits[rows].float()
         out[rows] = torch.logsumexp(z, dim=-1) - z.gather(-1, targets[rows, None]).squeeze(-1)
     return out

@@ -29,16 +29,24 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _CrossEntropy.apply(logits, targets)
 
 
-# Rows of logits handled at once in float32: the loss's float32 temporaries (the upcast logits,
-# their exponentials, the gradient before its cast back) stay within this many bytes each, whatever
-# the batch and vocabulary (at batch 32 x 1,024 positions x 32,000 tokens, whole rows would take 4 GiB
-# each). Rows are independent, so the result does not depend on it.
+# Rows of logits handled at once in float32: at most this many bytes of them (row_chunks). Rows are
+# independent, so the result does not depend on the chunking, only the time and the memory do.
+# On an accelerator, a bound that keeps the float32 temporaries of a large batch and vocabulary in
+# check (at batch 32 x 1,024 positions x 32,000 tokens whole rows would take 4 GiB each) in few kernel
+# launches. On the CPU, small chunks: each of the loss's passes over a chunk then runs in a core's
+# cache, and the allocator reuses the chunk's temporaries, where a large one is mapped fresh from
+# the OS each time (glibc maps an allocation of 32 MiB or more, and the default run's logits are
+# 2,048 x 4,096 floats per rank); the default model's training step takes 0.75-0.8x the time of
+# whole rows (bench/RESULTS.md, "Training step").
 LOSS_CHUNK_BYTES = 256 << 20
+CPU_LOSS_CHUNK_BYTES = 1 << 20
 
 
-def row_chunks(num_rows: int, vocab_size: int) -> list[slice]:
-    """Slices of `num_rows` rows of `vocab_size` floats in order, each LOSS_CHUNK_BYTES at most in float32."""
-    rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+def row_chunks(num_rows: int, vocab_size: int, device: torch.device) -> list[slice]:
+    """Slices of `num_rows` rows of `vocab_size` floats in order, each at most LOSS_CHUNK_BYTES in
+    float32 (CPU_LOSS_CHUNK_BYTES when `device` is the CPU), and at least one row."""
+    limit = CPU_LOSS_CHUNK_BYTES if torch.device(device).type == "cpu" else LOSS_CHUNK_BYTES
+    rows = max(1, limit // (4 * vocab_size))
     return [slice(start, start + rows) for start in range(0, num_rows, rows)]
 
 
@@ -48,7 +56,7 @@ class _CrossEntropy(torch.autograd.Function):
     d loss / d z = (softmax(z) - onehot(y)) / N for N positions. Autograd through the forward formula
     would keep several [N, vocab_size] temporaries alive (the shifted logits, their exp, the
     scattered one-hot); with the gradient written out, backward needs one such tensor, in the
-    logits' dtype, and float32 temporaries of at most LOSS_CHUNK_BYTES (row_chunks).
+    logits' dtype, and float32 temporaries of one chunk of rows (row_chunks).
     """
 
     @staticmethod
@@ -58,7 +66,7 @@ class _CrossEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
         y = targets.reshape(-1, 1).long()  # [N, 1]
         m, log_sum, losses = [], [], []
-        for rows in row_chunks(*flat.shape):
+        for rows in row_chunks(*flat.shape, flat.device):
             z = _at_least_float32(flat[rows])  # [n, V]
             m.append(z.amax(dim=-1, keepdim=True))  # [n, 1]
             log_sum.append((z - m[-1]).exp_().sum(dim=-1, keepdim=True).log_())  # logsumexp(z) - m
@@ -74,7 +82,7 @@ class _CrossEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         y = targets.reshape(-1).long()
         grad = torch.empty_like(flat)  # in the logits' dtype
-        for rows in row_chunks(*flat.shape):
+        for rows in row_chunks(*flat.shape, flat.device):
             chunk = (_at_least_float32(flat[rows]) - m[rows]).sub_(log_sum[rows]).exp_()  # softmax(z)
             chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
             grad[rows] = chunk.mul_(grad_loss / y.shape[0])
