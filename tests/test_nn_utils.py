@@ -196,3 +196,27 @@ def test_evaluation_token_losses_in_row_chunks_match_torch(monkeypatch):
     monkeypatch.setattr(nn_utils, "CPU_LOSS_CHUNK_BYTES", 2 * 4 * 29)
     assert len(nn_utils.row_chunks(11, 29, torch.device("cpu"))) == 6
     torch.testing.assert_close(token_losses(logits, targets), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_softcap_is_autograd_through_the_formula_bit_for_bit(monkeypatch, dtype):
+    """Forward and gradient against PyTorch's autograd through cap * tanh(z / cap) in float32 (or
+    float64), in chunks of 3 rows (a last one of 1) and in one chunk."""
+    import tinylm.nn_utils as nn_utils
+    from tinylm.nn_utils import softcap
+
+    torch.manual_seed(2)
+    logits = (torch.randn(2, 5, 37) * 30).to(dtype)
+    upstream = torch.randn(2, 5, 37).to(dtype)
+    reference = logits.clone().requires_grad_()
+    wide = torch.promote_types(dtype, torch.float32)
+    expected = (7.0 * torch.tanh(reference.to(wide) / 7.0)).to(dtype)
+    expected.backward(upstream)
+    for chunk_bytes in (3 * 4 * 37, nn_utils.CPU_LOSS_CHUNK_BYTES):
+        monkeypatch.setattr(nn_utils, "CPU_LOSS_CHUNK_BYTES", chunk_bytes)
+        z = logits.clone().requires_grad_()
+        capped = softcap(z, 7.0)
+        capped.backward(upstream)
+        assert capped.dtype == dtype and capped.shape == logits.shape
+        assert torch.equal(capped, expected) and torch.equal(z.grad, reference.grad)
+    assert capped.abs().max() <= 7.0

@@ -1,4 +1,4 @@
-"""Softmax, cross-entropy loss and gradient clipping, written out."""
+"""Softmax, cross-entropy loss, the logit soft-cap and gradient clipping, written out."""
 
 from __future__ import annotations
 
@@ -87,6 +87,48 @@ class _CrossEntropy(torch.autograd.Function):
             chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
             grad[rows] = chunk.mul_(grad_loss / y.shape[0])
         return grad.reshape(logits.shape), None
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), computed in at least float32 and returned in the logits' dtype.
+
+    logits: [..., vocab_size]; the result has their shape and dtype, every value in [-cap, cap].
+    The same formula as `(cap * torch.tanh(logits.float() / cap)).to(logits.dtype)` op for op, the
+    same bits forward, but worked through a chunk of rows at a time (row_chunks) with its gradient
+    written out: on the CPU whole [batch x context, vocab] float32 temporaries made each of the cap's
+    passes a trip to memory (bench/RESULTS.md, "The loss in chunks of rows").
+    """
+    return _SoftCap.apply(logits, cap)
+
+
+class _SoftCap(torch.autograd.Function):
+    """softcap with its gradient written by hand: d/dz cap * tanh(z / cap) = 1 - tanh(z / cap)^2.
+
+    Backward recomputes tanh a chunk at a time from the saved logits, and applies the same float32
+    ops in the same order as autograd through the formula (the upcast, x cap, tanh's derivative,
+    / cap, the cast back), so the gradient is the same too.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty_like(flat)
+        for rows in row_chunks(*flat.shape, flat.device):
+            out[rows] = cap * torch.tanh(_at_least_float32(flat[rows]) / cap)
+        ctx.save_for_backward(logits)
+        ctx.cap = cap
+        return out.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        flat, grad_flat = logits.reshape(-1, logits.shape[-1]), grad_out.reshape(-1, logits.shape[-1])
+        grad = torch.empty_like(flat)
+        for rows in row_chunks(*flat.shape, flat.device):
+            tanh = torch.tanh(_at_least_float32(flat[rows]) / ctx.cap)
+            upstream = _at_least_float32(grad_flat[rows]) * ctx.cap
+            grad[rows] = torch.ops.aten.tanh_backward(upstream, tanh) / ctx.cap
+        return grad.view_as(logits), None
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:

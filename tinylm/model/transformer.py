@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from tinylm.model.attention import CausalSelfAttention
 from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
+from tinylm.nn_utils import softcap
 
 MLP_CHOICES = ("swiglu", "relu2")
 
@@ -238,8 +239,7 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.ln_final(x))
         if self.logit_softcap is not None:
             # Logit soft-capping (Gemma 2; the nanoGPT speedrun and nanochat), in at least float32.
-            cap, wide = self.logit_softcap, torch.promote_types(logits.dtype, torch.float32)
-            logits = (cap * torch.tanh(logits.to(wide) / cap)).to(logits.dtype)
+            logits = softcap(logits, self.logit_softcap)
         return logits
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
