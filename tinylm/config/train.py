@@ -129,7 +129,7 @@ class TrainConfig:
         "shown only when this is set",
         execution=True,
     )
-    max_iters: int = key(1150, lo=1, help="optimizer steps (about 6 minutes on 2 CPU cores)")
+    max_iters: int = key(1400, lo=1, help="optimizer steps (about 6 minutes on 2 CPU cores)")
     lr_max: float = key(6e-3, lo=0.0, lo_open=True, help="peak learning rate, after warmup")
     lr_min: float = key(
         6e-4, lo=0.0, help="learning rate at the end of the cosine and after it", more="(<= `lr_max`)"
