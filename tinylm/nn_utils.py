@@ -35,9 +35,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # check (at batch 32 x 1,024 positions x 32,000 tokens whole rows would take 4 GiB each) in few kernel
 # launches. On the CPU, small chunks: each of the loss's passes over a chunk then runs in a core's
 # cache, and the allocator reuses the chunk's temporaries, where a large one is mapped fresh from
-# the OS each time (glibc maps an allocation of 32 MiB or more, and the default run's logits are
-# 2,048 x 4,096 floats per rank); the default model's training step takes 0.75-0.8x the time of
-# whole rows (bench/RESULTS.md, "Training step").
+# the OS each time (glibc maps every allocation above 32 MiB, and the default run's logits are
+# 2,048 x 4,096 floats per rank): the default model's training step takes 0.775x the time of whole
+# rows (bench/RESULTS.md, "The loss in chunks of rows").
 LOSS_CHUNK_BYTES = 256 << 20
 CPU_LOSS_CHUNK_BYTES = 1 << 20
 
