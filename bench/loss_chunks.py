@@ -19,13 +19,10 @@ import statistics
 import time
 
 import torch
+from model_options import DEFAULT, make_step  # bench/model_options.py: the default run's rank step
 
 import tinylm.nn_utils as nn_utils
-from tinylm.model import Transformer
-from tinylm.optim import AdamW, param_groups
-from tinylm.precision import autocast
 
-DEFAULT = dict(vocab_size=4096, context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=344)
 CHUNK_MIB = [256, 16, 4, 1, 0.25]  # 256: whole rows at this shape
 
 
@@ -38,23 +35,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="one rank's micro-batch (default 16)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Transformer(**DEFAULT)
-    optimizer = AdamW(param_groups(model, 0.7), lr=1e-3, betas=(0.9, 0.99))
-    generator = torch.Generator().manual_seed(1)
-    device = torch.device("cpu")
-
-    def step() -> None:
-        ids = torch.randint(
-            0, DEFAULT["vocab_size"], (args.batch_size, DEFAULT["context_length"] + 1), generator=generator
-        )
-        with autocast(device, torch.bfloat16):
-            logits = model(ids[:, :-1])
-        nn_utils.cross_entropy(logits, ids[:, 1:]).backward()
-        nn_utils.gradient_clip(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step, _ = make_step({}, args.batch_size)  # reads nn_utils.CPU_LOSS_CHUNK_BYTES at every step
     for _ in range(3):  # warm-up
         step()
     times: dict[float, list[float]] = {mib: [] for mib in CHUNK_MIB}

@@ -87,7 +87,3 @@ def test_the_muon_recipe_is_the_default_with_the_labs_muon_run():
     for sweep in ("sweep_muon.yaml", "sweep_default_recipe.yaml", "sweep_lab.yaml"):
         runs = run_configs(read_config_file(ROOT / "config" / sweep))
         assert runs["default"] == at_1000 and len(runs) > 2, sweep
-
-
-def dataclasses_equal_but_train(a, b) -> bool:
-    return all(getattr(a, s) == getattr(b, s) for s in ("corpus", "tokenizer", "encode", "model"))
