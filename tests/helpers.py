@@ -295,6 +295,8 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
         "world_size": 1,
         "tokens_seen": steps * 16 * MODEL["context_length"],
         "model_config": dict(MODEL),
+        "tokenizer_sha256": sha256_file(folder / "tokenizer.json"),
+        "tokenizer_path": str(folder / "tokenizer.json"),
     }
     commit(folder / "state", steps, payload, manifest)
     publish(folder / "state", folder / "ckpt")

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tinylm.checkpoint import FORMAT
 from tinylm.compare import (
     WITHIN_SPREAD_MARK,
     compare_runs,
@@ -46,10 +47,11 @@ def fake_run(folder, name, losses, seconds_per_step=None, vocab_size=None, **ext
     pd.DataFrame(rows).to_csv(run_dir / "eval.csv", index=False)
     if seconds_per_step is not None:
         for step, _ in losses:
-            manifest = {"files": {}, "train_seconds": step * seconds_per_step}
+            manifest = {"format": FORMAT, "files": {}, "train_seconds": step * seconds_per_step}
             if vocab_size is not None:
                 manifest["model_config"] = {"vocab_size": vocab_size}
             (run_dir / "checkpoints" / f"step_{step}.json").write_text(json.dumps(manifest))
+            (run_dir / "checkpoints" / f"step_{step}.pt").touch()  # compare reads the manifests only
     return {
         "name": name,
         "eval": str(run_dir / "eval.csv"),

@@ -3,6 +3,7 @@ when the checkpoints were trained with another config than theirs."""
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from helpers import MODEL
 
 from tinylm.__main__ import main
 from tinylm.config import load_config, run_hash, weight_config
+from tinylm.io import sha256_file
 from tinylm.locate import config_differences, find_checkpoints
 from tinylm.pretrain import state as state_lib
 from tinylm.pretrain.publish import publish
@@ -46,7 +48,12 @@ def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> No
             state_dir,
             step,
             {**payload, "iteration": step, "tokens_seen": step * 64},
-            {"world_size": 1, "tokens_seen": step * 64, "config": recorded},
+            {
+                "world_size": 1,
+                "tokens_seen": step * 64,
+                "config": recorded,
+                "tokenizer_sha256": sha256_file(tiny_lm["tokenizer"]),
+            },
             keep=10,
         )
 
@@ -131,8 +138,8 @@ def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, c
     publish("elsewhere", "results/checkpoints")
     write_config(Path("config/config.yaml"), seed=1, lr_max=0.003)  # then the config was edited
     expected = (
-        "was trained with another config than config/config.yaml: train.lr_max: 0.006 in the checkpoint, "
-        "0.003 in the config; train.seed: 0 in the checkpoint, 1 in the config"
+        "was trained with another config than config/config.yaml: train.seed: 0 in the checkpoint, "
+        "1 in the config; train.lr_max: 0.006 in the checkpoint, 0.003 in the config"
     )
     for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
         code, _, err = run_cli(capsys, *argv)
@@ -192,3 +199,53 @@ def test_a_stopped_run_is_exported_from_its_state_folder(workdir, tiny_lm, capsy
     assert f"[export] using step 100 from {state_dir / 'published'}" in err
     assert f"[export] step 100 of {state_dir / 'published'} exported to results/hf" in err
     assert (Path("results/hf") / "model.safetensors").is_file() and not Path("results/checkpoints").exists()
+
+
+def test_a_folder_of_two_runs_is_refused_by_every_stage_naming_the_keys(workdir, tiny_lm, capsys, tmp_path):
+    commit_steps(tmp_path / "first", [50, 100], Path("config/config.yaml"), tiny_lm)
+    publish(tmp_path / "first", "results/checkpoints")
+    other = write_config(tmp_path / "other.yaml", max_iters=300)
+    commit_steps(tmp_path / "second", [300], other, tiny_lm)
+    # As a publisher that did not check would leave it: another run's step beside the first's.
+    for suffix in (".pt", ".json"):
+        shutil.copy(
+            tmp_path / "second" / "published" / f"step_300{suffix}", f"results/checkpoints/step_300{suffix}"
+        )
+    for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 1, err
+        (line,) = [line for line in err.splitlines() if "error" in line]
+        assert (
+            f"tinylm {argv[0]}: error: results/checkpoints: holds the checkpoints of more than one run "
+            "(steps 50 and 300 differ in train.max_iters: 1400 at step 50, 300 at step 300)"
+        ) in line, err
+    assert not Path("results/eval.csv").exists() and not Path("results/samples.txt").exists()
+
+
+def test_a_tokenizer_other_than_the_trained_one_is_refused(workdir, tiny_lm, capsys, tmp_path):
+    from helpers import SPECIALS, mixed_text
+
+    from tinylm.tokenizer import train_bpe
+
+    commit_steps(tmp_path / "state", [100], Path("config/config.yaml"), tiny_lm)
+    publish(tmp_path / "state", "results/checkpoints")
+    # Another tokenizer of the same vocabulary size, trained on other text: the model's ids would mean
+    # other strings, and nothing else tells.
+    (tmp_path / "other.txt").write_text(mixed_text(random.Random(7), 3000), encoding="utf-8")
+    vocab, merges = train_bpe(
+        tmp_path / "other.txt", MODEL["vocab_size"], SPECIALS, num_workers=1, progress=False
+    )
+    Tokenizer(vocab, merges, SPECIALS).save(tmp_path / "other.json")
+    assert sha256_file(tmp_path / "other.json") != sha256_file(tiny_lm["tokenizer"])
+    assert len(Tokenizer.load(tmp_path / "other.json").vocab) == MODEL["vocab_size"]
+    for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
+        code, _, err = run_cli(capsys, *argv, "--tokenizer", tmp_path / "other.json")
+        assert code == 1, err
+        other_sha = sha256_file(tmp_path / "other.json")[:12]
+        assert (
+            f"error: {tmp_path / 'other.json'} (sha256 {other_sha}...) is not "
+            f"the tokenizer results/checkpoints/step_100.pt was trained with (sha256 "
+            f"{sha256_file(tiny_lm['tokenizer'])[:12]}...): give that file with --tokenizer"
+        ) in err, err
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king")  # the one it was trained with
+    assert code == 0, err

@@ -3,10 +3,11 @@ weights), republishing after an interruption."""
 
 import json
 
+import pytest
 import torch
 from helpers import IDENTITY, assert_same, read_checked, small_checkpoint
 
-from tinylm.checkpoint import FORMAT, published_steps
+from tinylm.checkpoint import FORMAT, CheckpointError, published_steps
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
 from tinylm.pretrain.publish import publish
@@ -65,3 +66,31 @@ def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
     out = publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
     assert read_checked(out[0])[1]["contents"] == "weights"
+
+
+def test_publishing_into_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path):
+    for step in (10, 20):
+        commit(tmp_path / "first", step, small_checkpoint(step), IDENTITY)
+    publish(tmp_path / "first", tmp_path / "checkpoints")
+    before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in (tmp_path / "checkpoints").iterdir()}
+    other = {**IDENTITY, "config": {"train": {"max_iters": 30, "lr_max": 0.1}}}
+    for step in (10, 20, 30):
+        commit(tmp_path / "second", step, small_checkpoint(step), other)
+    with pytest.raises(CheckpointError) as refused:
+        publish(tmp_path / "second", tmp_path / "checkpoints")
+    assert str(refused.value).startswith(
+        f"{tmp_path / 'checkpoints'}: holds the checkpoints of another run (train.max_iters: 10 there, "
+        f"30 in this run); they are left as they are: publish this run into a folder of its own with "
+        f"--checkpoint-dir"
+    ), refused.value
+    after = {p.name: (p.stat().st_ino, p.read_bytes()) for p in (tmp_path / "checkpoints").iterdir()}
+    assert after == before
+    # The run's own folder, republished (a resume, or a finished run run again), is not another run's.
+    assert [p.name for p in publish(tmp_path / "first", tmp_path / "checkpoints")] == [
+        "step_10.pt",
+        "step_20.pt",
+    ]
+    seeded = {**IDENTITY, "seed": 1}
+    commit(tmp_path / "third", 10, small_checkpoint(10), seeded)
+    with pytest.raises(CheckpointError, match=r"\(seed: 0 there, 1 in this run\)"):
+        publish(tmp_path / "third", tmp_path / "checkpoints")

@@ -563,3 +563,68 @@ def test_resume_check_names_the_value_that_differs():
         check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
     with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
         check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
+
+
+def flip_byte(path: Path, where: float = 0.5) -> None:
+    """Corrupt one byte of `path`, at the fraction `where` of its length."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_step_is_set_aside_and_the_run_resumes_from_the_intact_one(
+    tiny_data, uninterrupted, tmp_path
+):
+    state = copy_state_up_to(uninterrupted["state"], tmp_path / "state", last_step=12)
+    assert committed_steps(state) == [8, 12]
+    flip_byte(state / "step_0000012" / "checkpoint.pt")
+    proc = pretrain(tiny_data, uninterrupted["config"], state)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (corrupt,) = [line for line in proc.stderr.splitlines() if "is corrupt" in line]
+    assert (
+        "committed step 12 is corrupt: " in corrupt and "do not match the sha256 in its manifest" in corrupt
+    )
+    assert (
+        f"step 12 set aside as {state / 'step_0000012.corrupt'} (kept for inspection); resuming from step 8, "
+        "intact" in proc.stderr
+    )
+    assert f"resuming from step 8 in {state}" in proc.stderr
+    full, again = logged_losses(uninterrupted["stderr"]), logged_losses(proc.stderr)
+    assert sorted(again) == [9, 10, 11, 12]
+    assert all(again[s] == full[s] for s in again)
+    a, b = final_payload(uninterrupted["state"]), final_payload(state)
+    assert_same(a["model"], b["model"], "model")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
+    assert (state / "step_0000012.corrupt" / "checkpoint.pt").is_file()  # kept, never deleted
+
+    # No intact step at all: one line saying what to do; nothing renamed, nothing trained.
+    broken = copy_state_up_to(uninterrupted["state"], tmp_path / "broken", last_step=12)
+    flip_byte(broken / "step_0000008" / "weights.pt")
+    flip_byte(broken / "step_0000012" / "checkpoint.pt", where=0.9)
+    proc = pretrain(tiny_data, uninterrupted["config"], broken)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "loss" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"tinylm pretrain: error: {broken}: no committed step is intact (steps 12, 8, see above), so the run "
+        f"cannot resume; they are left as they are: move or delete {broken} to train from the start"
+    )
+    assert committed_steps(broken) == [8, 12]
+
+
+@pytest.mark.slow
+def test_a_run_is_refused_a_checkpoint_folder_of_another_run_before_it_trains(
+    tiny_data, uninterrupted, tmp_path
+):
+    published = uninterrupted["state"].parent / "state_ckpt"
+    before = sorted((p.name, p.stat().st_ino) for p in published.iterdir())
+    config = write_tiny_config(tmp_path / "short.yaml", train={"max_iters": 8})
+    proc = pretrain(tiny_data, config, tmp_path / "state", checkpoint_dir=published)
+    assert proc.returncode == 1 and "loss" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"tinylm pretrain: error: {published}: holds the checkpoints of another run (train.max_iters: 12 "
+        "there, 8 in this run); they are left as they are: publish this run into a folder of its own with "
+        "--checkpoint-dir, or move"
+    ), proc.stderr
+    assert committed_steps(tmp_path / "state") == []
+    assert sorted((p.name, p.stat().st_ino) for p in published.iterdir()) == before

@@ -43,18 +43,21 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None)
     run the config describes when it holds newer committed steps (a run that trains or was
     stopped; see tinylm/locate.py). Says which when it is not results/checkpoints, and, when the
     checkpoint was trained with other model or train keys than the config's, which keys differ.
+    Refuses a folder that holds several runs' checkpoints, and a --tokenizer other than the one the
+    checkpoints were trained with (by its sha256).
     """
-    from tinylm.checkpoint import published_steps
+    from tinylm.checkpoint import check_tokenizer, published_file, published_run
     from tinylm.locate import find_checkpoints, warn_if_other_config
 
     state_dir = None if args.checkpoint_dir is not None else (args.state_dir or run_state_dir(cfg))
     folder, note = find_checkpoints(args.checkpoint_dir or f"{RESULTS}/checkpoints", state_dir, step)
     if note:
         print(f"[{args.stage}] {note}", file=sys.stderr, flush=True)
-    steps = published_steps(folder)
-    if step is None and steps:
-        step = steps[-1]
-    if step in steps:
+    manifests = published_run(folder)
+    if step is None and manifests:
+        step = max(manifests)
+    if step in manifests:
+        check_tokenizer(manifests[step], args.tokenizer, published_file(folder, step))
         warn_if_other_config(args.stage, folder, step, cfg, args.weight_sections, args.config_name)
     return str(folder), step
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import pandas as pd
 
+from tinylm.checkpoint import published_run
 from tinylm.io import atomic_path
 
 COLUMNS = [
@@ -103,7 +104,8 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per (run, evaluated checkpoint), runs in the given order; see COLUMNS.
 
     Each run: name, eval (its eval.csv), checkpoints (its published checkpoint folder, for the
-    `train_seconds` and `vocab_size` of each step's manifest; NaN where a manifest has none),
+    `train_seconds` and `vocab_size` of each step's manifest; NaN where a manifest has none; a
+    folder of several runs' checkpoints is refused),
     overrides (its own, shown in compare.csv) and, optionally, values (see `differing_keys`), config
     (the configuration it is a seed of; default: its name) and seed (its train.seed; default: none).
     `differs` holds, of the keys that differ between the runs, the first configuration's values of
@@ -131,9 +133,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
             for key in differs
             if key in values and (config == first_config or values[key] != first.get(key))
         }
+        manifests = published_run(run["checkpoints"])  # refuses a folder of several runs
         for record in table.to_dict("records"):
             step = int(record["step"])
-            manifest = _manifest(Path(run["checkpoints"]) / f"step_{step}.json")
+            manifest = manifests.get(step, {})
             rows.append(
                 {
                     "run": run["name"],
@@ -152,15 +155,6 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=COLUMNS)
     table["seed"] = table["seed"].astype("Int64")  # an integer, or empty where a run has none
     return table
-
-
-def _manifest(path: Path) -> dict[str, Any]:
-    """A published step's manifest as plain data; {} where it is missing or unreadable."""
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
 
 
 def one_vocabulary(table: pd.DataFrame) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 from tinylm.checkpoint import published_manifest, published_steps
 from tinylm.checkpoint.published import PUBLISHED_DIR
-from tinylm.config import Config, default_weight_config, weight_config
+from tinylm.config import Config, weight_config, weight_config_differences
 
 
 def find_checkpoints(
@@ -73,20 +73,10 @@ def config_differences(
     saved = manifest.get("config")
     if not isinstance(saved, dict):
         return []
-    current, defaults = weight_config(cfg), default_weight_config()
-    out = []
-    for section in sections:
-        ours, theirs = current.get(section, {}), saved.get(section)
-        if not isinstance(theirs, dict):
-            continue
-        for key in sorted(ours.keys() | theirs.keys()):
-            # A key one side leaves out is at its default there (a key it did not have, or one that
-            # does not apply, see tinylm/config/keys.py).
-            default = defaults.get(section, {}).get(key, "absent")
-            saved_value, value = theirs.get(key, default), ours.get(key, default)
-            if saved_value != value:
-                out.append(f"{section}.{key}: {saved_value!r} in the checkpoint, {value!r} in the config")
-    return out
+    return [
+        f"{key}: {before!r} in the checkpoint, {now!r} in the config"
+        for key, before, now in weight_config_differences(saved, weight_config(cfg), sections)
+    ]
 
 
 def warn_if_other_config(

@@ -25,7 +25,14 @@ from tinylm.checkpoint.pieces import (
     tensor_leaves,
     write_tensors,
 )
-from tinylm.checkpoint.published import load_model, published_file, published_manifest, published_steps
+from tinylm.checkpoint.published import (
+    check_tokenizer,
+    load_model,
+    published_file,
+    published_manifest,
+    published_run,
+    published_steps,
+)
 
 __all__ = [
     "FORMAT",
@@ -34,6 +41,7 @@ __all__ = [
     "CheckpointReader",
     "Layout",
     "check_plain",
+    "check_tokenizer",
     "file_entry",
     "load_checkpoint",
     "load_model",
@@ -41,6 +49,7 @@ __all__ = [
     "plan_file",
     "published_file",
     "published_manifest",
+    "published_run",
     "published_steps",
     "read_checkpoint",
     "read_manifest",

@@ -7,7 +7,8 @@ A manifest is written after the files it describes (it is their commit) and hold
     files           {file name: {"bytes", "records", "other"}}: each file cut into byte ranges with
                     their sha256 (see tinylm/checkpoint/pieces.py, `Layout.entry`)
     weights_sha256  the model's identity (`weights_sha256`), the same for any file holding its weights
-    ...             the writer's facts: the run's identity, model_config, tokens_seen, ...
+    ...             the writer's facts: the run's identity (IDENTITY_KEYS and "config", the
+                    keys that decide the weights), model_config, tokens_seen, ...
 
 Readers check every byte range they read against it; a file without a manifest does not exist
 for them.
@@ -27,9 +28,13 @@ import torch
 
 from tinylm.checkpoint.file import CheckpointError
 from tinylm.checkpoint.pieces import Layout
+from tinylm.config import weight_config_differences
 from tinylm.io import atomic_write_text
 
 FORMAT = 2  # of checkpoint files and manifests; a checkpoint written in another format is not read
+# What names the run a checkpoint belongs to, besides its "config" (the keys that decide the weights):
+# the checkpoints of one run agree on all of them, and a resume must too.
+IDENTITY_KEYS = ("seed", "structural_hash", "tokenizer_sha256")
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -49,6 +54,21 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)"
         )
     return manifest
+
+
+def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every key of the run's identity in which two manifests
+    (or a manifest and a run's identity) differ: IDENTITY_KEYS that either records, then the keys of
+    "config" (see `tinylm.config.weight_config_differences`)."""
+    out = [
+        (key, saved.get(key), current.get(key))
+        for key in IDENTITY_KEYS
+        if (key in saved or key in current) and saved.get(key) != current.get(key)
+    ]
+    saved_config, config = saved.get("config"), current.get("config")
+    if isinstance(saved_config, dict) and isinstance(config, dict):
+        out += weight_config_differences(saved_config, config)
+    return out
 
 
 def file_entry(manifest: dict[str, Any], name: str, manifest_path: str | os.PathLike) -> dict[str, Any]:

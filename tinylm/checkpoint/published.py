@@ -9,6 +9,11 @@ step's holds the weights only (model, iteration, ...); the manifest's "contents"
 folders (tinylm/pretrain/publish.py); this module reads them: `load_model` builds the model of a
 step and reads only its weights, each tensor checked against the manifest as it is read, never
 the optimizer state.
+
+A folder holds the checkpoints of one run: `published_run` reads every step's manifest and refuses
+a folder whose steps differ in the run's identity (its seed, model shape, tokenizer or any key that
+decides the weights, see `identity_differences`); `check_tokenizer` refuses a tokenizer file other
+than the one the run was trained with.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tinylm.checkpoint.file import CheckpointError
-from tinylm.checkpoint.manifest import file_entry, numbered_steps, read_manifest
+from tinylm.checkpoint.manifest import file_entry, identity_differences, numbered_steps, read_manifest
 from tinylm.checkpoint.pieces import CheckpointReader
+from tinylm.io import sha256_file
 from tinylm.model import RotaryEmbedding, Transformer
 
 if TYPE_CHECKING:
@@ -45,6 +51,49 @@ def published_steps(folder: str | os.PathLike) -> list[int]:
 def published_manifest(folder: str | os.PathLike, step: int) -> dict[str, Any]:
     """The manifest (step_N.json) of published checkpoint `step`."""
     return read_manifest(published_file(folder, step).with_suffix(".json"))
+
+
+def published_run(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """{step: manifest} of every published step of `folder`, ascending, checked to be one run's.
+
+    A folder whose steps belong to several runs (they differ in a key of the run's identity) is a
+    CheckpointError in one line naming the folder, two steps that differ and the keys; a manifest that
+    cannot be read is one naming its file. An empty or missing folder gives {}.
+    """
+    manifests = {step: published_manifest(folder, step) for step in published_steps(folder)}
+    if not manifests:
+        return manifests
+    newest = max(manifests)
+    for step, manifest in manifests.items():
+        differences = identity_differences(manifest, manifests[newest])
+        if differences:
+            listed = "; ".join(
+                f"{key}: {a!r} at step {step}, {b!r} at step {newest}" for key, a, b in differences
+            )
+            raise CheckpointError(
+                f"{folder}: holds the checkpoints of more than one run (steps {step} and {newest} differ "
+                f"in {listed}); a folder must hold one run: train each into its own --checkpoint-dir"
+            )
+    return manifests
+
+
+def check_tokenizer(
+    manifest: dict[str, Any], tokenizer_path: str | os.PathLike, checkpoint: str | os.PathLike
+) -> None:
+    """Refuse `tokenizer_path` unless it is the tokenizer file the checkpoint was trained with (the same
+    sha256 as the manifest's `tokenizer_sha256`): another one, even of the same vocabulary size,
+    would give the model's ids other meanings. A manifest that records no tokenizer is not checked."""
+    recorded = manifest.get("tokenizer_sha256")
+    if recorded is None:
+        return
+    actual = sha256_file(tokenizer_path)
+    if actual != recorded:
+        trained_with = manifest.get("tokenizer_path")
+        where = f"{trained_with} when it was trained, " if trained_with else ""
+        raise CheckpointError(
+            f"{tokenizer_path} (sha256 {actual[:12]}...) is not the tokenizer {checkpoint} was trained with "
+            f"({where}sha256 {recorded[:12]}...): give that file with --tokenizer"
+        )
 
 
 def load_model(

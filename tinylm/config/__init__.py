@@ -40,6 +40,7 @@ from tinylm.config.runs import (
     seed_run_name,
     seed_runs,
     weight_config,
+    weight_config_differences,
 )
 from tinylm.config.sections import (
     Config,
@@ -90,4 +91,5 @@ __all__ = [
     "seed_runs",
     "validate",
     "weight_config",
+    "weight_config_differences",
 ]

@@ -202,6 +202,33 @@ def default_weight_config() -> dict[str, dict[str, Any]]:
     return {"model": dataclasses.asdict(ModelConfig()), "train": train}
 
 
+def weight_config_differences(
+    saved: dict[str, Any], current: dict[str, Any], sections: tuple[str, ...] | None = None
+) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) for every key of two weight configs that differs.
+
+    A key one side leaves out (a key its writer did not have yet, or one that does not apply there)
+    is at its default on that side. `sections` (default: every section of either side) limits the
+    comparison. Keys come in the config's order (so `train.optimizer` comes before the keys that
+    depend on it), then any unknown keys in sorted order.
+    """
+    defaults = default_weight_config()
+    names = sections if sections is not None else tuple(dict.fromkeys([*defaults, *current, *saved]))
+    out = []
+    for section in names:
+        saved_values, values = saved.get(section), current.get(section)
+        if not isinstance(saved_values, dict) or not isinstance(values, dict):
+            continue
+        section_defaults = defaults.get(section, {})
+        known = [k for k in section_defaults if k in values or k in saved_values]
+        for key in dict.fromkeys([*known, *sorted(values.keys() | saved_values.keys())]):
+            default = section_defaults.get(key)
+            before, now = saved_values.get(key, default), values.get(key, default)
+            if before != now:
+                out.append((f"{section}.{key}", before, now))
+    return out
+
+
 def run_state_dir(cfg: Config, run_dir: str = "") -> str:
     """The resume state folder of the run `cfg`: results/<run_dir>state/<run hash>.
 

@@ -8,6 +8,12 @@ older one as its weights (weights.pt); each file with a manifest of its own whos
 which (the format: tinylm/checkpoint/published.py). `state_dir/published` is outside the
 workflow's declared outputs, so a running or stopped run's newest step can be read there
 (tinylm/locate.py); `checkpoint_dir` is the declared output of `pretrain`, filled when it ends.
+
+A checkpoint folder holds one run. Publishing into a folder that holds another run's checkpoints
+is refused (`check_checkpoint_dir`, also called before training starts), and the folder is left as
+it was: replacing it would silently discard a finished run's checkpoints on a mistyped config or
+path, while a refusal costs one more option. (Snakemake clears its declared output before a job,
+so the workflow never meets such a folder.)
 """
 
 from __future__ import annotations
@@ -15,9 +21,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
-from tinylm.checkpoint.manifest import write_manifest
-from tinylm.checkpoint.published import PUBLISHED_DIR, published_file, published_steps
+from tinylm.checkpoint.file import CheckpointError
+from tinylm.checkpoint.manifest import identity_differences, write_manifest
+from tinylm.checkpoint.published import (
+    PUBLISHED_DIR,
+    published_file,
+    published_manifest,
+    published_run,
+    published_steps,
+)
 from tinylm.io import fsync_dir, link_or_copy
 from tinylm.pretrain.steps import CHECKPOINT, WEIGHTS, committed_steps, step_dir, step_manifest
 
@@ -53,14 +67,39 @@ def _contents(published_manifest: Path) -> str | None:
         return None
 
 
+def check_checkpoint_dir(
+    checkpoint_dir: str | os.PathLike, identity: dict[str, Any], state_dir: str | os.PathLike
+) -> None:
+    """Refuse to publish the run of `identity` (a manifest, or the run's identity before its first
+    commit) into a folder that holds another run's checkpoints: one line naming the folder, the keys
+    that differ and what to do. A folder of this run's own checkpoints, or none, passes."""
+    existing = published_run(checkpoint_dir)
+    if not existing:
+        return
+    newest = max(existing)
+    differences = identity_differences(existing[newest], identity)
+    if differences:
+        listed = "; ".join(f"{key}: {a!r} there, {b!r} in this run" for key, a, b in differences[:4])
+        more = f" and {len(differences) - 4} more" if len(differences) > 4 else ""
+        raise CheckpointError(
+            f"{checkpoint_dir}: holds the checkpoints of another run ({listed}{more}); they are left as "
+            f"they are: publish this run into a folder of its own with --checkpoint-dir, or move "
+            f"{checkpoint_dir} away (this run's state is in {state_dir})"
+        )
+
+
 def publish(state_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> list[Path]:
     """Link every published checkpoint of the run (and its manifest) into `checkpoint_dir`; return
-    the .pt paths, ascending by step."""
+    the .pt paths, ascending by step. A `checkpoint_dir` that holds another run's checkpoints is
+    refused (see `check_checkpoint_dir`) before anything is linked."""
     republish(state_dir)
     source = Path(state_dir) / PUBLISHED_DIR
+    steps = published_steps(source)
+    if steps:
+        check_checkpoint_dir(checkpoint_dir, published_manifest(source, steps[-1]), state_dir)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     paths = []
-    for step in published_steps(source):
+    for step in steps:
         src, dst = published_file(source, step), published_file(checkpoint_dir, step)
         link_or_copy(src.with_suffix(".json"), dst.with_suffix(".json"))
         link_or_copy(src, dst)

@@ -17,38 +17,19 @@ import numpy as np
 import torch
 
 from tinylm.checkpoint import FORMAT, CheckpointError
-from tinylm.config import default_weight_config
+from tinylm.checkpoint.manifest import identity_differences
 from tinylm.parallel import RankContext
 from tinylm.precision import LossScaler
 from tinylm.pretrain.state import restore_step, save_step
 
-# Keys of the manifest that must match for a resume, checked in this order; then every key of the
-# training config ("config": {section: {key: value}}) must match too. The world size, threads and
-# accumulation may differ: every step's global batch is the same at any of them.
-RESUME_KEYS = ("format", "seed", "structural_hash", "tokenizer_sha256")
-
 
 def check_resumable(manifest: dict[str, Any], expected: dict[str, Any], where: str | os.PathLike) -> None:
-    """Refuse a resume whose manifest differs from this run in a key of RESUME_KEYS or of the config."""
-    expected = {"format": FORMAT, **expected}
-    differences = [
-        (key, manifest.get(key), expected[key])
-        for key in RESUME_KEYS
-        if key in expected and manifest.get(key) != expected[key]
-    ]
-    # A weight key that one side leaves out (see tinylm.config.weight_config) is at its default there.
-    # Keys are checked in the config's order (train.optimizer before the keys that depend on it).
-    saved_config, config = manifest.get("config", {}), expected.get("config", {})
-    defaults = default_weight_config()
-    for section in dict.fromkeys([*config, *saved_config]):
-        saved_values, values = saved_config.get(section, {}), config.get(section, {})
-        section_defaults = defaults.get(section, {})
-        known = [k for k in section_defaults if k in values or k in saved_values]
-        for key in dict.fromkeys([*known, *values]):
-            saved = saved_values.get(key, section_defaults.get(key))
-            wanted = values.get(key, section_defaults.get(key))
-            if saved != wanted:
-                differences.append((f"{section}.{key}", saved, wanted))
+    """Refuse a resume whose manifest differs from this run in its format or its identity (see
+    `tinylm.checkpoint.manifest.identity_differences`), naming the first key that differs. The world
+    size, threads and accumulation may differ: every step's global batch is the same at any of them."""
+    differences = identity_differences(manifest, expected)
+    if manifest.get("format") != FORMAT:
+        differences.insert(0, ("format", manifest.get("format"), FORMAT))
     if differences:
         key, saved, wanted = differences[0]
         raise CheckpointError(

@@ -16,17 +16,18 @@ from typing import Any
 
 import torch
 
-from tinylm.config import Config, config_hash, weight_config
+from tinylm.config import Config, config_hash, run_hash, weight_config
 from tinylm.data import load_tokens
 from tinylm.io import sha256_file
 from tinylm.parallel import launch
-from tinylm.parallel.launch import is_global_rank0, resolve_backend
+from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
 from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation
-from tinylm.pretrain.publish import publish
+from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
+from tinylm.pretrain.state import newest_intact_step
 from tinylm.pretrain.steps import committed_steps, step_manifest
 from tinylm.tokenizer import Tokenizer
 
@@ -90,8 +91,12 @@ def train(
 ) -> list[Path]:
     """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
 
-    `run_name` (a sweep's run) labels every log line. A run whose state holds its last step is
-    finished: it says so, trains nothing and publishes its checkpoints again. Under torchrun every
+    `run_name` (a sweep's run) labels every log line. TensorBoard's event files go to a folder of
+    the run's own under `tensorboard_dir`, `<run_name>-<run hash[:8]>` (the hash alone without a
+    name). A run whose state holds its last step is finished: it says so, trains nothing and
+    publishes its checkpoints again. The newest intact committed step is resumed from (corrupt
+    newer ones are set aside and said). A `checkpoint_dir` holding another run's checkpoints is
+    refused before anything trains. Under torchrun every
     process runs this function; only global rank 0 scans the token files, locks and publishes
     (the others return []).
     """
@@ -99,6 +104,12 @@ def train(
     is_rank0 = is_global_rank0()
     tokenizer = Tokenizer.load(tokenizer_path)
     vocab_size = len(tokenizer.vocab)
+    if vocab_size != cfg.tokenizer.vocab_size:
+        log_line(
+            is_rank0,
+            f"{tokenizer_path} has {vocab_size} tokens, tokenizer.vocab_size is {cfg.tokenizer.vocab_size}: "
+            f"the model takes the file's {vocab_size}",
+        )
     context_length = cfg.model.context_length
     for path in (train_tokens, valid_tokens):  # dtype, shape and largest id (rank 0: one pass), length
         num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
@@ -117,20 +128,30 @@ def train(
         "seed": train.seed,
         "structural_hash": structural_hash(model_config),
         "tokenizer_sha256": sha256_file(tokenizer_path),
+        "tokenizer_path": str(tokenizer_path),  # not identity: says which file had that sha256
         "config": weight_config(cfg),
     }
     backend, note = resolve_backend(train.backend, train.world_size)
     if note:
         log_line(is_rank0, note)
+    _warn_if_oversubscribed(is_rank0, train)
+    if tensorboard_dir is not None:  # each run its own folder, so that runs' curves never interleave
+        tensorboard_dir = Path(tensorboard_dir) / "-".join(filter(None, [run_name, run_hash(cfg)[:8]]))
     with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
-        steps = committed_steps(state_dir)
+        if is_rank0:
+            newest = newest_intact_step(state_dir, lambda line: log_line(True, line))
+        else:  # global rank 0 checks and sets aside corrupt steps, before the process group starts
+            steps = committed_steps(state_dir)
+            newest = (steps[-1], step_manifest(state_dir, steps[-1])) if steps else None
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
-        manifest = step_manifest(state_dir, steps[-1]) if steps else {}
-        if steps:
+        manifest = newest[1] if newest else {}
+        if newest:
             train_seconds = float(manifest.get("train_seconds", 0.0))
             check_resumable(manifest, identity, state_dir)
             _say_resume(is_rank0, manifest, train, state_dir, checkpoint_dir)
-        if not steps or steps[-1] < train.max_iters:
+        if is_rank0:
+            check_checkpoint_dir(checkpoint_dir, identity, state_dir)
+        if not newest or newest[0] < train.max_iters:
             cfg = plan_run(cfg, vocab_size, backend, is_rank0, manifest.get("grad_accum_steps"))
             identity["grad_accum_steps"] = cfg.train.grad_accum_steps
             spec = RunSpec(
@@ -163,6 +184,19 @@ def train(
             f"(resume state: {state_dir})",
         )
         return published
+
+
+def _warn_if_oversubscribed(is_rank0: bool, train) -> None:
+    """One line when this machine's ranks ask for more threads than it has cores."""
+    ranks = ranks_on_this_machine(train.world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if ranks * train.threads_per_rank > cores:
+        log_line(
+            is_rank0,
+            f"warning: {ranks} ranks x {train.threads_per_rank} threads (train.threads_per_rank) on "
+            f"{cores} cores: they will take turns, so each step is slower (the results are the same); "
+            f"lower train.world_size or train.threads_per_rank to fit the cores",
+        )
 
 
 def _say_resume(is_rank0: bool, manifest: dict, train, state_dir: Path, checkpoint_dir) -> None:

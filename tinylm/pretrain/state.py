@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from tinylm.checkpoint.pieces import (
     tensor_leaves,
     write_tensors,
 )
-from tinylm.checkpoint.published import read_model_state
+from tinylm.checkpoint.published import PUBLISHED_DIR, published_file, read_model_state
 from tinylm.io import fsync_dir
 from tinylm.parallel.sharded import full_or_sharded_state_dict, held_parameters, parameter_owners
 from tinylm.pretrain.heartbeat import Heartbeat
@@ -218,6 +219,67 @@ def _prune(state_dir: Path, keep: int) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Restoring
+
+CORRUPT_SUFFIX = ".corrupt"  # a committed step found corrupt is renamed step_NNNNNNN.corrupt, kept
+
+
+def verify_step(state_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+    """The manifest of committed `step`, once every byte of its files has been checked against it;
+    a CheckpointError (or OSError) naming the file and what is wrong otherwise."""
+    folder = step_dir(Path(state_dir), step)
+    manifest = read_manifest(folder / MANIFEST)
+    for name in (CHECKPOINT, WEIGHTS):
+        with CheckpointReader(folder / name, file_entry(manifest, name, folder / MANIFEST)) as reader:
+            reader.verify()
+    return manifest
+
+
+def newest_intact_step(
+    state_dir: str | os.PathLike, say: Callable[[str], None]
+) -> tuple[int, dict[str, Any]] | None:
+    """(step, manifest) of the newest committed step whose files are intact; None if none is committed.
+
+    Each corrupt step is reported through `say` in one line. When an older step is intact, the newer
+    corrupt ones are set aside (renamed step_NNNNNNN.corrupt, never deleted, and taken out of the
+    published folder), so the run resumes from the intact one; when none is, a CheckpointError says
+    what to do and nothing is renamed.
+    """
+    state_dir = Path(state_dir)
+    corrupt = []
+    for step in reversed(committed_steps(state_dir)):
+        try:
+            manifest = verify_step(state_dir, step)
+        except (CheckpointError, OSError) as e:
+            say(f"committed step {step} is corrupt: {e}")
+            corrupt.append(step)
+            continue
+        for bad in corrupt:
+            kept = _set_aside(state_dir, bad)
+            say(f"step {bad} set aside as {kept} (kept for inspection); resuming from step {step}, intact")
+        return step, manifest
+    if corrupt:
+        raise CheckpointError(
+            f"{state_dir}: no committed step is intact (steps {', '.join(map(str, corrupt))}, see above), "
+            f"so the run cannot resume; they are left as they are: move or delete {state_dir} to train "
+            f"from the start"
+        )
+    return None
+
+
+def _set_aside(state_dir: Path, step: int) -> Path:
+    """Rename a corrupt step's folder out of the committed steps (a fresh name ending in .corrupt)
+    and remove the step from the published folder; returns the new name."""
+    folder = step_dir(state_dir, step)
+    kept, n = folder.with_name(folder.name + CORRUPT_SUFFIX), 1
+    while kept.exists():
+        n += 1
+        kept = folder.with_name(f"{folder.name}{CORRUPT_SUFFIX}{n}")
+    folder.rename(kept)
+    published = published_file(state_dir / PUBLISHED_DIR, step)
+    published.with_suffix(".json").unlink(missing_ok=True)  # the manifest first: readers need both
+    published.unlink(missing_ok=True)
+    fsync_dir(state_dir)
+    return kept
 
 
 def restore_step(
