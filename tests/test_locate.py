@@ -249,3 +249,18 @@ def test_a_tokenizer_other_than_the_trained_one_is_refused(workdir, tiny_lm, cap
         ) in err, err
     code, _, err = run_cli(capsys, "sample", "--prompt", "the king")  # the one it was trained with
     assert code == 0, err
+
+
+def test_a_corrupt_published_checkpoint_is_one_line_naming_the_file(workdir, tiny_lm, capsys, tmp_path):
+    commit_steps(tmp_path / "state", [100], Path("config/config.yaml"), tiny_lm)
+    publish(tmp_path / "state", "results/checkpoints")
+    path = Path("results/checkpoints/step_100.pt")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.unlink()  # a file of its own, not the state's hard link
+    path.write_bytes(bytes(data))
+    for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 1, err
+        assert err.splitlines()[-1].startswith(f"tinylm {argv[0]}: error: {path}: the bytes at offset "), err
+        assert err.splitlines()[-1].endswith("the file is corrupt"), err

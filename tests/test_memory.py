@@ -202,4 +202,98 @@ def test_the_plan_of_the_cli_has_a_total_line_and_trains_nothing(tmp_path):
         cwd=ROOT,
         timeout=120,
     )
-    assert proc.returncode == 1 and "/nonexistent/tokenizer.json" in proc.stderr
+    # No tokenizer file yet (a fresh checkout): the config's vocabulary, said so.
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "/nonexistent/tokenizer.json does not exist yet: planned with tokenizer.vocab_size 4096"
+        in proc.stderr
+    )
+    assert re.search(r"\] +total +[\d.]+ (GiB|MiB)", proc.stderr)
+
+
+def plan_cli(capsys, monkeypatch, folder, *argv) -> tuple[int, str]:
+    """`python -m tinylm pretrain --plan ...` in `folder` (in this process), its exit code and stderr."""
+    from tinylm.__main__ import main
+
+    monkeypatch.chdir(folder)
+    code = main(["pretrain", "--plan", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def test_the_plan_works_from_the_config_alone_and_counts_the_model(tmp_path, capsys, monkeypatch):
+    config = write_tiny_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 512})
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config)  # no tokenizer file exists
+    assert code == 0, err
+    assert (
+        "[pretrain] results/tokenizer/tokenizer.json does not exist yet: planned with "
+        "tokenizer.vocab_size 512" in err
+    )
+    cfg = from_dict(yaml.safe_load(config.read_text()))
+    model = Transformer(vocab_size=512, **dataclasses.asdict(cfg.model))  # a real one, by another path
+    parameters = sum(p.numel() for p in model.parameters())
+    # Model FLOPs by brute force over the real weights: 6 per weight of every matrix that multiplies
+    # (all 2-D weights but the embedding table), and the attention scores and their sum over values.
+    matmul = sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "token_embeddings" not in name
+    )
+    m = cfg.model
+    flops = 6 * matmul + 12 * m.num_layers * m.d_model * m.context_length
+    assert f"[pretrain] model: {parameters:,} parameters; {flops:.3g} training FLOPs per token" in err
+    assert "memory plan per rank" in err and not (tmp_path / "results").exists()  # nothing written
+
+
+def test_a_plan_for_a_named_gpu_chooses_its_accumulation_there(tmp_path, capsys, monkeypatch):
+    # Context 4,096 and a GPT-2 vocabulary: 16 sequences' logits and activations outgrow a 24 GB card.
+    model = {"context_length": 4096, "d_model": 1024, "num_layers": 2, "num_heads": 16, "d_ff": 2816}
+    train = {"world_size": 1, "batch_size": 16, "grad_accum_steps": "auto", "dtype": "auto"}
+    config = write_tiny_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 50304}, model=model, train=train)
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--plan-device", "l4-24gb")
+    assert code == 0, err
+    assert "  l4-24gb has 22.35 GiB" in err  # 24 GB as sold
+    assert "framework    500.0 MiB" in err  # the CUDA context's estimate, not this process's memory
+    chosen = int(re.search(r"train.grad_accum_steps auto: (\d+) \(the fewest that fit\)", err).group(1))
+    # Brute force: the smallest divisor of the batch whose plan on that device fits.
+    cfg = from_dict(yaml.safe_load(config.read_text()))
+    device = memory.named_device("l4-24gb", 1)
+    model_config = {"vocab_size": 50304, **dataclasses.asdict(cfg.model)}
+
+    def fits(a):
+        return plan_memory(model_config, dataclasses.replace(cfg.train, grad_accum_steps=a), 1, device).fits()
+
+    assert chosen == min(a for a in range(1, 17) if 16 % a == 0 and fits(a)) > 1
+    assert "micro-batch" in err and f"micro-batch {16 // chosen} x 4096" in err
+    # bf16 on a GPU that has it: the activations of the bf16 step, not float32's.
+    bf16 = plan_memory(model_config, dataclasses.replace(cfg.train, grad_accum_steps=chosen), 1, device)
+    fp32 = plan_memory(
+        model_config, dataclasses.replace(cfg.train, grad_accum_steps=chosen, dtype="float32"), 1, device
+    )
+    assert bf16.parts["activations"] < fp32.parts["activations"]
+    micro = 16 // chosen
+    assert bf16.parts["activations"] == step_activation_bytes(
+        model_config, micro, torch.bfloat16, "none", "cuda"
+    )
+    # The loss in a GPU's chunks of rows (256 MiB of float32), not the CPU's 1 MiB: more memory.
+    wide = {**SHAPE, "vocab_size": 8192, "context_length": 256}
+    on_gpu = step_activation_bytes(wide, 8, torch.bfloat16, "none", "cuda")
+    on_cpu = step_activation_bytes(wide, 8, torch.bfloat16, "none", "cpu")
+    assert on_gpu > on_cpu + 32 * 2**20  # one float32 chunk of all 2,048 rows against 1 MiB ones
+    assert "one update (65,536 tokens) on 1 x l4-24gb: at least" in err and "(121 TFLOP/s each)" in err
+
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--plan-device", "x100-1gb")
+    assert code == 1 and "--plan-device 'x100-1gb': not a device this plan knows; one of b200-180gb" in err
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--plan-device", "cpu:lots")
+    assert code == 1 and "a CPU is named cpu:<GB of RAM>, e.g. cpu:64gb" in err
+
+
+def test_the_plan_of_a_run_to_resume_uses_its_own_accumulation(tmp_path, capsys, monkeypatch):
+    from helpers import small_checkpoint
+
+    from tinylm.pretrain.state import commit
+
+    config = write_tiny_config(tmp_path / "c.yaml", train={"grad_accum_steps": "auto"})
+    commit(tmp_path / "state", 4, small_checkpoint(4), {"grad_accum_steps": 2})
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--state-dir", tmp_path / "state")
+    assert code == 0, err
+    assert "train.grad_accum_steps auto: 2 (the run's own, resumed)" in err
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--state-dir", tmp_path / "fresh")
+    assert code == 0 and "train.grad_accum_steps auto: 1 (the fewest that fit)" in err

@@ -161,6 +161,13 @@ def test_cross_entropy_in_row_chunks_is_the_same_bits_and_matches_torch(monkeypa
     chunked = loss_and_grad()
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     assert chunked[1].dtype == dtype
+    # The chunk size given explicitly (as the memory plan gives a GPU's): again the same bits.
+    monkeypatch.undo()
+    z = logits.clone().requires_grad_()
+    loss = cross_entropy(z, targets, chunk_bytes=2 * 4 * 37)
+    loss.backward()
+    assert torch.equal(loss.detach(), whole[0]) and torch.equal(z.grad, whole[1])
+    assert len(nn_utils.row_chunks(10, 37, torch.device("cpu"), 2 * 4 * 37)) == 5
     reference = logits.float().requires_grad_()
     expected = F.cross_entropy(reference.flatten(0, 1), targets.flatten())
     expected.backward()

@@ -108,10 +108,10 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.pretrain import train
     from tinylm.pretrain.steps import committed_steps
 
-    if args.plan:
-        print_memory_plan(cfg, args.tokenizer)
-        return
     state_dir = args.state_dir or run_state_dir(cfg)
+    if args.plan or args.plan_device:
+        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
+        return
 
     def on_sigterm(signum, frame):
         raise Stopped()
@@ -151,17 +151,38 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def print_memory_plan(cfg: Config, tokenizer_path: str) -> None:
-    """`pretrain --plan`: the run's memory plan per rank; an error when it would not fit."""
+def print_memory_plan(cfg: Config, tokenizer_path: str, state_dir: str, plan_device: str | None) -> None:
+    """`pretrain --plan`: the model's size and FLOPs, and the run's memory plan per rank on this
+    machine or on `plan_device` (a named device); an error when it would not fit.
+
+    Works from the config alone: without a tokenizer file yet, the vocabulary is tokenizer.vocab_size.
+    A run with committed steps in `state_dir` is planned as it will resume (its own accumulation)."""
+    from pathlib import Path
+
     from tinylm.parallel.launch import resolve_backend
     from tinylm.pretrain.log import log_line
-    from tinylm.pretrain.run import plan_run
+    from tinylm.pretrain.memory import named_device
+    from tinylm.pretrain.run import model_config_of, model_summary, plan_run, run_device
+    from tinylm.pretrain.steps import committed_steps, step_manifest
     from tinylm.tokenizer import Tokenizer
 
-    backend, note = resolve_backend(cfg.train.backend, cfg.train.world_size)
-    if note:
-        log_line(True, note)
-    plan_run(cfg, len(Tokenizer.load(tokenizer_path).vocab), backend, is_rank0=True)
+    if Path(tokenizer_path).is_file():
+        vocab_size = len(Tokenizer.load(tokenizer_path).vocab)
+    else:
+        vocab_size = cfg.tokenizer.vocab_size
+        log_line(True, f"{tokenizer_path} does not exist yet: planned with tokenizer.vocab_size {vocab_size}")
+    if plan_device:
+        device = named_device(plan_device, cfg.train.world_size)
+    else:
+        backend, note = resolve_backend(cfg.train.backend, cfg.train.world_size)
+        if note:
+            log_line(True, note)
+        device = run_device(backend, cfg.train.world_size)
+    steps = committed_steps(state_dir)
+    resumed = step_manifest(state_dir, steps[-1]).get("grad_accum_steps") if steps else None
+    for line in model_summary(model_config_of(cfg, vocab_size), cfg.train, device):
+        log_line(True, line)
+    plan_run(cfg, vocab_size, device, is_rank0=True, resumed_accumulation=resumed)
 
 
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
@@ -332,7 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print the memory plan per rank (and refuse a run that would not fit) without training",
+        help="print the model's size and the memory plan per rank (and refuse a run that would not fit) "
+        "without training",
+    )
+    p.add_argument(
+        "--plan-device",
+        default=None,
+        metavar="NAME",
+        help="plan for this device instead of this machine's (implies --plan): a GPU such as h100-80gb, "
+        "a100-40gb, l4-24gb (the list: tinylm/throughput.py, PLAN_GPUS), or cpu:<GB>gb such as cpu:64gb",
     )
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")

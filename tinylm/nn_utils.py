@@ -18,15 +18,19 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return exp / exp.sum(dim=dim, keepdim=True)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None = None
+) -> torch.Tensor:
     """Mean negative log-likelihood of `targets` under softmax(logits), over every position.
 
     logits: [..., vocab_size] (any leading shape), targets: [...] integer ids. Returns a scalar
     (at least float32, also for bf16 / fp16 logits). Per position the loss is
         -log softmax(z)[y] = logsumexp(z) - z[y],   logsumexp(z) = m + log(sum(exp(z - m))),  m = max(z),
     which stays finite for logits of any size: the largest exponent is exp(0) = 1.
+    `chunk_bytes` (default: the logits' device's, `loss_chunk_bytes`) bounds the float32 rows handled
+    at once; it changes the memory and the time, never the result.
     """
-    return _CrossEntropy.apply(logits, targets)
+    return _CrossEntropy.apply(logits, targets, chunk_bytes)
 
 
 # Rows of logits handled at once in float32: at most this many bytes of them (row_chunks). Rows are
@@ -42,10 +46,17 @@ LOSS_CHUNK_BYTES = 256 << 20
 CPU_LOSS_CHUNK_BYTES = 1 << 20
 
 
-def row_chunks(num_rows: int, vocab_size: int, device: torch.device) -> list[slice]:
-    """Slices of `num_rows` rows of `vocab_size` floats in order, each at most LOSS_CHUNK_BYTES in
-    float32 (CPU_LOSS_CHUNK_BYTES when `device` is the CPU), and at least one row."""
-    limit = CPU_LOSS_CHUNK_BYTES if torch.device(device).type == "cpu" else LOSS_CHUNK_BYTES
+def loss_chunk_bytes(device_type: str) -> int:
+    """The float32 bytes of rows of logits handled at once on a device of this type ("cpu", "cuda")."""
+    return CPU_LOSS_CHUNK_BYTES if device_type == "cpu" else LOSS_CHUNK_BYTES
+
+
+def row_chunks(
+    num_rows: int, vocab_size: int, device: torch.device, chunk_bytes: int | None = None
+) -> list[slice]:
+    """Slices of `num_rows` rows of `vocab_size` floats in order, each at most `chunk_bytes` in
+    float32 (default: `loss_chunk_bytes` of `device`), and at least one row."""
+    limit = chunk_bytes or loss_chunk_bytes(torch.device(device).type)
     rows = max(1, limit // (4 * vocab_size))
     return [slice(start, start + rows) for start in range(0, num_rows, rows)]
 
@@ -60,13 +71,14 @@ class _CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None) -> torch.Tensor:
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
         y = targets.reshape(-1, 1).long()  # [N, 1]
         m, log_sum, losses = [], [], []
-        for rows in row_chunks(*flat.shape, flat.device):
+        ctx.chunk_bytes = chunk_bytes
+        for rows in row_chunks(*flat.shape, flat.device, chunk_bytes):
             z = _at_least_float32(flat[rows])  # [n, V]
             m.append(z.amax(dim=-1, keepdim=True))  # [n, 1]
             log_sum.append((z - m[-1]).exp_().sum(dim=-1, keepdim=True).log_())  # logsumexp(z) - m
@@ -82,11 +94,11 @@ class _CrossEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         y = targets.reshape(-1).long()
         grad = torch.empty_like(flat)  # in the logits' dtype
-        for rows in row_chunks(*flat.shape, flat.device):
+        for rows in row_chunks(*flat.shape, flat.device, ctx.chunk_bytes):
             chunk = (_at_least_float32(flat[rows]) - m[rows]).sub_(log_sum[rows]).exp_()  # softmax(z)
             chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
             grad[rows] = chunk.mul_(grad_loss / y.shape[0])
-        return grad.reshape(logits.shape), None
+        return grad.reshape(logits.shape), None, None
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:

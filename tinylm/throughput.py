@@ -48,6 +48,26 @@ GPU_PEAK_FLOPS: list[tuple[str, str, dict[str, float | None]]] = [
 ] + [("V100", r"V100", dict(bfloat16=None, float16=125e12, tf32=None, float32=15.7e12))]
 
 
+# GPUs a run can be planned for by name (`pretrain --plan --plan-device NAME`): the GPU_PEAK_FLOPS row
+# of the chip and the card's memory in GB (10^9 bytes, as sold; CUDA reports a little more, so a plan
+# against these errs on the side of "does not fit").
+PLAN_GPUS: dict[str, tuple[str, float]] = {
+    "b200-180gb": ("B200", 180),
+    "h200-141gb": ("H200 SXM", 141),
+    "h100-80gb": ("H100 SXM", 80),
+    "h100-pcie-80gb": ("H100 PCIe", 80),
+    "a100-80gb": ("A100", 80),
+    "a100-40gb": ("A100", 40),
+    "l40s-48gb": ("L40S", 48),
+    "l4-24gb": ("L4", 24),
+    "a10g-24gb": ("A10G", 24),
+    "rtx4090-24gb": ("RTX 4090", 24),
+    "rtx3090-24gb": ("RTX 3090", 24),
+    "v100-32gb": ("V100", 32),
+    "v100-16gb": ("V100", 16),
+}
+
+
 def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None]] | None:
     """(entry name, peaks) of the first GPU_PEAK_FLOPS row whose pattern is in `device_name` as whole
     words ("NVIDIA L4" is an L4, not an L40; "A10G" is not an A10), or None."""

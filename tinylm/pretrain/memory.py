@@ -20,7 +20,10 @@ Per rank, in bytes:
     framework       CPU: this process's resident memory with torch loaded; CUDA: 500 MiB for the
                     context and the caching allocator (an estimate)
 
-The total is compared with the device's memory (CUDA: total and free; CPU: available RAM).
+The total is compared with the device's memory (CUDA: total and free; CPU: available RAM). The
+device is this machine's (`local_device`) or one named (`named_device`: a GPU of
+throughput.PLAN_GPUS such as "h100-80gb", or "cpu:64gb"), so that a run can be planned on a laptop
+for a GPU it does not have.
 `smallest_fitting_accumulation` tries train.grad_accum_steps from 1 up, and `problem()` says by how
 much a plan misses and which keys make it fit. Checked against the peak resident memory of real
 runs on the CPU (bench/memory_plan.py; bench/RESULTS.md, "Models that fit").
@@ -42,14 +45,69 @@ from torch.utils._pytree import tree_flatten
 from tinylm.config import TrainConfig
 from tinylm.data import micro_batch_size
 from tinylm.model import Transformer
-from tinylm.nn_utils import cross_entropy
+from tinylm.nn_utils import cross_entropy, loss_chunk_bytes
 from tinylm.parallel.launch import ranks_on_this_machine
 from tinylm.parallel.sharded import assign_owners
 from tinylm.precision import autocast, resolve_dtype
 from tinylm.pretrain.optimizer import build_optimizer
+from tinylm.throughput import GPU_PEAK_FLOPS, PLAN_GPUS, gpu_entry
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 500 * 2**20  # CUDA context and allocator slack: an estimate, not measured here
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """The device a plan is made for, here or named (see `local_device`, `named_device`)."""
+
+    type: str  # "cpu" or "cuda"
+    name: str  # "cpu", "cuda:0", or the name it was given ("h100-80gb", "cpu:64gb")
+    available: int | None  # bytes the run may use: free GPU memory, available RAM (None: unknown)
+    total: int | None  # a GPU's total memory (None on the CPU)
+    ranks_sharing: int = 1  # ranks whose totals share `available` (one machine's RAM); 1 on a GPU
+    bf16: bool = False  # bfloat16 autocast is what train.dtype auto takes there
+    peak_bf16: float | None = None  # dense bfloat16 FLOP/s of one device, where known
+
+
+def local_device(device: torch.device | str, world_size: int) -> PlanDevice:
+    """This machine's `device`: CUDA's free and total memory, or the CPU's available RAM shared by
+    this machine's ranks."""
+    device = torch.device(device)
+    available, total = device_memory(device)
+    if device.type == "cuda":
+        entry = gpu_entry(torch.cuda.get_device_name(device))
+        return PlanDevice(
+            "cuda",
+            str(device),
+            available,
+            total,
+            bf16=torch.cuda.is_bf16_supported(),
+            peak_bf16=entry[1]["bfloat16"] if entry else None,
+        )
+    return PlanDevice("cpu", "cpu", available, None, ranks_on_this_machine(world_size))
+
+
+def named_device(name: str, world_size: int) -> PlanDevice:
+    """A device by name, for a plan made anywhere: a GPU of throughput.PLAN_GPUS (its memory, as
+    sold in GB of 10^9 bytes, is the run's; one rank per GPU), or "cpu:<N>gb" (N GB of RAM shared by
+    all `world_size` ranks on one machine). An unknown name is a ValueError listing the known ones."""
+    if name.startswith("cpu:"):
+        size = name.removeprefix("cpu:").lower().removesuffix("gb")
+        try:
+            available = int(float(size) * 1e9)
+        except ValueError:
+            available = 0
+        if available <= 0:
+            raise ValueError(f"--plan-device {name!r}: a CPU is named cpu:<GB of RAM>, e.g. cpu:64gb")
+        return PlanDevice("cpu", name, available, None, world_size)
+    if name not in PLAN_GPUS:
+        known = ", ".join([*PLAN_GPUS, "cpu:<N>gb"])
+        raise ValueError(f"--plan-device {name!r}: not a device this plan knows; one of {known}")
+    chip, memory_gb = PLAN_GPUS[name]
+    peaks = next(peaks for entry, _, peaks in GPU_PEAK_FLOPS if entry == chip)
+    memory = int(memory_gb * 1e9)
+    bf16 = peaks["bfloat16"] is not None
+    return PlanDevice("cuda", name, memory, memory, bf16=bf16, peak_bf16=peaks["bfloat16"])
 
 
 @dataclass
@@ -57,20 +115,18 @@ class MemoryPlan:
     """Bytes per rank of each part of a run's peak (see the module docs), and the device's memory."""
 
     parts: dict[str, int]
-    device: str  # "cpu" or "cuda:N"
-    device_bytes: int | None  # the memory the run may use: available RAM, or the GPU's free memory
-    device_total: int | None  # the GPU's total memory (None on the CPU)
+    device: PlanDevice
     train: TrainConfig
     world_size: int
     model_config: dict = field(repr=False)
-    ranks_sharing: int = 1  # ranks of this machine whose totals share device_bytes (the CPU's RAM)
 
     @property
     def total(self) -> int:
         return sum(self.parts.values())
 
     def fits(self) -> bool:
-        return self.device_bytes is None or self.total * self.ranks_sharing <= self.device_bytes
+        available = self.device.available
+        return available is None or self.total * self.device.ranks_sharing <= available
 
     def lines(self) -> list[str]:
         """The plan as lines for a log: one per part, the total, and the device's memory."""
@@ -83,11 +139,14 @@ class MemoryPlan:
         ]
         out += [f"  {name:<12} {_gib(size)}" for name, size in self.parts.items()]
         out.append(f"  {'total':<12} {_gib(self.total)}")
-        if self.device_total is not None:
-            out.append(f"  {self.device} has {_gib(self.device_total)}, {_gib(self.device_bytes)} free")
-        elif self.device_bytes is not None:
-            sharing = f" for {self.ranks_sharing} ranks" if self.ranks_sharing > 1 else ""
-            out.append(f"  {self.device}: {_gib(self.device_bytes)} available{sharing}")
+        device = self.device
+        if device.total is not None and device.total == device.available:  # a named GPU
+            out.append(f"  {device.name} has {_gib(device.total)}")
+        elif device.total is not None:
+            out.append(f"  {device.name} has {_gib(device.total)}, {_gib(device.available)} free")
+        elif device.available is not None:
+            sharing = f" for {device.ranks_sharing} ranks" if device.ranks_sharing > 1 else ""
+            out.append(f"  {device.name}: {_gib(device.available)} available{sharing}")
         return out
 
     def problem(self) -> str | None:
@@ -103,9 +162,12 @@ class MemoryPlan:
         accum = smallest_fitting_accumulation(self.model_config, train, self.world_size, self.device)
         if accum is not None:
             options.append(f"train.grad_accum_steps: {accum}")
-        needs = f"needs {_gib(self.total * self.ranks_sharing)} of {_gib(self.device_bytes)} on {self.device}"
-        if self.ranks_sharing > 1:
-            needs += f" ({self.ranks_sharing} ranks of {_gib(self.total)})"
+        device = self.device
+        needs = (
+            f"needs {_gib(self.total * device.ranks_sharing)} of {_gib(device.available)} on {device.name}"
+        )
+        if device.ranks_sharing > 1:
+            needs += f" ({device.ranks_sharing} ranks of {_gib(self.total)})"
         if options:
             return f"{needs}: set {' or '.join(options)}"
         return (
@@ -121,10 +183,12 @@ class MemoryPlan:
 
 
 def plan_memory(
-    model_config: dict, train: TrainConfig, world_size: int, device: torch.device | str = "cpu"
+    model_config: dict, train: TrainConfig, world_size: int, device: PlanDevice | torch.device | str = "cpu"
 ) -> MemoryPlan:
-    """The per-rank memory plan of training Transformer(**model_config) under `train` on `device`."""
-    device = torch.device(device)
+    """The per-rank memory plan of training Transformer(**model_config) under `train` on `device`
+    (a PlanDevice, or a device of this machine)."""
+    if not isinstance(device, PlanDevice):
+        device = local_device(device, world_size)
     with torch.device("meta"):
         model = Transformer(**model_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -134,12 +198,15 @@ def plan_memory(
         "optimizer": _optimizer_state_bytes(model, train, world_size),
     }
     micro = micro_batch_size(train.batch_size, world_size, train.grad_accum_steps)
-    dtype = resolve_dtype(train.dtype, device)
-    parts["activations"] = step_activation_bytes(model_config, micro, dtype, train.activation_checkpointing)
+    if train.dtype == "auto":  # the device need not be here, so not resolve_dtype's question to CUDA
+        dtype = torch.bfloat16 if device.type == "cuda" and device.bf16 else torch.float32
+    else:
+        dtype = resolve_dtype(train.dtype, "cpu")
+    parts["activations"] = step_activation_bytes(
+        model_config, micro, dtype, train.activation_checkpointing, device.type
+    )
     parts["framework"] = CUDA_CONTEXT_BYTES if device.type == "cuda" else _resident_bytes()
-    available, total = device_memory(device)
-    sharing = ranks_on_this_machine(world_size) if device.type == "cpu" else 1
-    return MemoryPlan(parts, str(device), available, total, train, world_size, dict(model_config), sharing)
+    return MemoryPlan(parts, device, train, world_size, dict(model_config))
 
 
 def _optimizer_state_bytes(model: Transformer, train: TrainConfig, world_size: int) -> int:
@@ -203,14 +270,19 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def step_activation_bytes(
-    model_config: dict, micro_batch: int, dtype: torch.dtype, activation_checkpointing: str
+    model_config: dict,
+    micro_batch: int,
+    dtype: torch.dtype,
+    activation_checkpointing: str,
+    device_type: str = "cpu",
 ) -> int:
     """The peak bytes of one micro-batch's forward, loss and backward beyond the parameters and their
     gradients: what autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
 
     The step runs on fake tensors (shapes only: no data, no memory, no arithmetic), with every
     gradient already allocated, as DDP's buckets hold them, and every new tensor's storage is counted
-    while it lives. The kernels are the CPU's (on CUDA, fused attention needs about the same).
+    while it lives. The kernels are the CPU's (on CUDA, fused attention needs about the same); the
+    loss works in chunks of rows of the size it takes on `device_type`.
     """
     with torch.device("meta"):
         model = Transformer(**model_config)
@@ -225,7 +297,7 @@ def step_activation_bytes(
         with _LiveBytes() as tracker:
             with autocast(cpu, dtype):
                 logits = model(ids[:, :-1])
-            loss = cross_entropy(logits, ids[:, 1:])
+            loss = cross_entropy(logits, ids[:, 1:], loss_chunk_bytes(device_type))
             del logits
             loss.backward()
             del loss
@@ -233,7 +305,7 @@ def step_activation_bytes(
 
 
 def smallest_fitting_accumulation(
-    model_config: dict, train: TrainConfig, world_size: int, device: torch.device | str
+    model_config: dict, train: TrainConfig, world_size: int, device: PlanDevice | torch.device | str
 ) -> int | None:
     """The smallest train.grad_accum_steps (a divisor of the per-rank batch) whose plan fits the
     device, or None when none does (not even one sequence per micro-step).
@@ -241,6 +313,8 @@ def smallest_fitting_accumulation(
     A plan's total only shrinks as the accumulation grows (the micro-batch shrinks, nothing else
     changes), so the divisors are bisected: a few plans, not one per divisor.
     """
+    if not isinstance(device, PlanDevice):
+        device = local_device(device, world_size)
     per_rank = train.batch_size // world_size
     divisors = [a for a in range(1, per_rank + 1) if per_rank % a == 0]
 

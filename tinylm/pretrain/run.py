@@ -19,16 +19,18 @@ import torch
 from tinylm.config import Config, config_hash, run_hash, weight_config
 from tinylm.data import load_tokens
 from tinylm.io import sha256_file
+from tinylm.model import Transformer
 from tinylm.parallel import launch
 from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
-from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation
+from tinylm.pretrain.memory import PlanDevice, local_device, plan_memory, smallest_fitting_accumulation
 from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.state import newest_intact_step
 from tinylm.pretrain.steps import committed_steps, step_manifest
+from tinylm.throughput import flops_per_token
 from tinylm.tokenizer import Tokenizer
 
 
@@ -37,17 +39,21 @@ def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
     return {"vocab_size": vocab_size, **asdict(cfg.model)}
 
 
+def run_device(backend: str, world_size: int) -> PlanDevice:
+    """The device rank 0 trains on, for its plan: its first GPU with nccl, else the CPU."""
+    return local_device(torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu"), world_size)
+
+
 def plan_run(
-    cfg: Config, vocab_size: int, backend: str, is_rank0: bool, resumed_accumulation: int | None = None
+    cfg: Config, vocab_size: int, device: PlanDevice, is_rank0: bool, resumed_accumulation: int | None = None
 ) -> Config:
-    """The run's memory plan on the device of rank 0 (its first GPU with nccl, else the CPU),
-    logged, and the run's config with `train.grad_accum_steps: auto` resolved.
+    """The run's memory plan on `device` (see `run_device`, or a named one), logged, and the run's
+    config with `train.grad_accum_steps: auto` resolved.
 
     `auto` takes `resumed_accumulation` (what the run being resumed chose) when given, else the
     smallest accumulation whose plan fits. A run that does not fit, or an `auto` that nothing fits,
     is a ValueError saying by how much and what would fit.
     """
-    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     model_config, train = model_config_of(cfg, vocab_size), cfg.train
     if train.grad_accum_steps == "auto":
         accum = resumed_accumulation or smallest_fitting_accumulation(
@@ -71,6 +77,28 @@ def plan_run(
     if problem:
         raise ValueError(f"the run does not fit in memory: {problem}")
     return cfg
+
+
+def model_summary(model_config: dict[str, Any], train, device: PlanDevice) -> list[str]:
+    """What `pretrain --plan` says of the model besides its memory: the parameter count, the
+    training FLOPs per token (as MFU counts them, tinylm/throughput.py) and, on a device whose
+    bfloat16 peak is known, the shortest time one update can take there."""
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in Transformer(**model_config).parameters())
+    flops = flops_per_token(model_config)
+    lines = [
+        f"model: {parameters:,} parameters; {flops:.3g} training FLOPs per token (forward and backward, "
+        f"as the log's MFU counts them)"
+    ]
+    if device.peak_bf16:
+        tokens = train.batch_size * model_config["context_length"]
+        seconds = tokens * flops / (train.world_size * device.peak_bf16)
+        lines.append(
+            f"one update ({tokens:,} tokens) on {train.world_size} x {device.name}: at least "
+            f"{seconds:.3g} s at the bfloat16 peak ({device.peak_bf16 / 1e12:.0f} TFLOP/s each), "
+            f"{seconds / 0.4:.3g} s at 40 % MFU"
+        )
+    return lines
 
 
 def structural_hash(model_config: dict[str, Any]) -> str:
@@ -152,7 +180,8 @@ def train(
         if is_rank0:
             check_checkpoint_dir(checkpoint_dir, identity, state_dir)
         if not newest or newest[0] < train.max_iters:
-            cfg = plan_run(cfg, vocab_size, backend, is_rank0, manifest.get("grad_accum_steps"))
+            device = run_device(backend, train.world_size)
+            cfg = plan_run(cfg, vocab_size, device, is_rank0, manifest.get("grad_accum_steps"))
             identity["grad_accum_steps"] = cfg.train.grad_accum_steps
             spec = RunSpec(
                 cfg=cfg,
