@@ -491,6 +491,10 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
         str(tmp_path / "state"),
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+        "--log",
+        str(tmp_path / "logs" / "pretrain.log"),
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tinylm", *args],
@@ -522,6 +526,9 @@ def test_a_stopped_run_says_its_last_committed_step_and_how_to_resume(tiny_data,
     assert "Traceback" not in rest, rest
     command = rest.split("Resume with:\n  ", 1)[1].strip()
     assert command == "python -m tinylm " + " ".join(args)
+    # --log: the file gets all that the terminal got, the ranks' lines and the last one included.
+    log = (tmp_path / "logs" / "pretrain.log").read_text()
+    assert "step 20 committed" in log and log.endswith(rest) and "Resume with:" in log
     assert not (tmp_path / "ckpt").exists()  # published only when the run finishes (or by `sample`'s lookup)
 
 
@@ -628,3 +635,28 @@ def test_a_run_is_refused_a_checkpoint_folder_of_another_run_before_it_trains(
     ), proc.stderr
     assert committed_steps(tmp_path / "state") == []
     assert sorted((p.name, p.stat().st_ino) for p in published.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_each_run_has_its_own_tensorboard_folder_and_too_many_threads_are_said(tiny_data, tmp_path):
+    from tinylm.config import load_config, run_hash
+
+    folders = []
+    for name, train in [("wide", {"world_size": 4}), ("seed1", {"world_size": 1, "seed": 1})]:
+        config = write_tiny_config(
+            tmp_path / f"{name}.yaml", train={"max_iters": 2, "checkpoint_interval": 2, **train}
+        )
+        proc = pretrain(tiny_data, config, tmp_path / name, extra=("--tensorboard-dir", str(tmp_path / "tb")))
+        assert proc.returncode == 0, proc.stderr
+        warned = [line for line in proc.stderr.splitlines() if "threads (train.threads_per_rank) on" in line]
+        cores = len(os.sched_getaffinity(0))
+        ranks = train["world_size"]
+        assert len(warned) == (1 if ranks > cores else 0), proc.stderr
+        if warned:
+            assert (
+                f"warning: {ranks} ranks x 1 threads (train.threads_per_rank) on {cores} cores" in warned[0]
+            )
+        folders.append(run_hash(load_config(config))[:8])
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == sorted(folders)
+    for folder in folders:
+        assert list((tmp_path / "tb" / folder).glob("events.out.tfevents.*"))

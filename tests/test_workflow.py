@@ -1,5 +1,6 @@
 """End to end: the real Snakemake workflow on a tiny config, twice, byte for byte the same."""
 
+import json
 import os
 import re
 import shutil
@@ -126,7 +127,9 @@ def test_workflow_produces_every_artifact_and_learns(two_runs):
         assert (results / rel).is_file(), rel
     for stage in ["corpus", "train_tokenizer", "encode", "pretrain", "evaluate", "generate"]:
         assert (results / "benchmarks" / f"{stage}.tsv").is_file(), stage
-    assert list((results / "tensorboard").glob("events.out.tfevents.*"))
+    # The run's own TensorBoard folder, named by the run and its hash.
+    (folder,) = (results / "tensorboard").iterdir()
+    assert re.fullmatch(r"default-[0-9a-f]{8}", folder.name) and list(folder.glob("events.out.tfevents.*"))
     for log in (results / "logs").glob("*.log"):  # progress bars are drawn on terminals only
         assert "\r" not in log.read_text(), log.name
 
@@ -250,6 +253,21 @@ def test_dry_run_plans_every_stage(tmp_path):
         "evaluate",
         "generate",
     }
+
+
+def test_job_lines_are_short_and_hand_each_stage_its_config_in_a_file(tmp_path):
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    out = snakemake(workdir, "results/samples.txt", "--dry-run", "--printshellcmds").stdout
+    commands = [line.strip() for line in out.splitlines() if "-m tinylm " in line]
+    assert len(commands) == 6, out
+    config = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
+    for command in commands:
+        assert len(command) < 400, command  # the config is not on the command line
+        path = re.search(r"--config-json @(\S+)", command).group(1)
+        sections = json.loads((workdir / path).read_text())
+        assert sections and all(sections[name] == {**sections[name], **config[name]} for name in sections)
+    stage = {c.split("-m tinylm ")[1].split()[0]: c for c in commands}
+    assert "--log results/logs/pretrain.log" in stage["pretrain"] and "| tee" not in stage["pretrain"]
 
 
 @pytest.mark.slow
@@ -446,7 +464,8 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(extended_r
     for run in SWEEP["runs"]:
         for rel in ("checkpoints/step_40.pt", "eval.csv", "eval.png", "logs/pretrain.log"):
             assert (results / "runs" / run / rel).is_file(), (run, rel)
-        assert list((results / "runs" / run / "tensorboard").glob("events.out.tfevents.*"))
+        (folder,) = (results / "tensorboard").glob(f"{run}-*")
+        assert list(folder.glob("events.out.tfevents.*"))
         logged = [
             line
             for line in (results / "runs" / run / "logs" / "pretrain.log").read_text().splitlines()

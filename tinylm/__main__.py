@@ -1,7 +1,7 @@
 """`python -m tinylm <stage>`: one subcommand per stage, in flow order.
 
 Each stage reads the config (a YAML file with --config, or the JSON that the Snakemake rules pass
-with --config-json) and explicit input and output paths, so every stage runs without Snakemake too.
+with --config-json @FILE) and explicit input and output paths, so every stage runs without Snakemake too.
 Errors that a user can fix (bad config, missing or bad files, a failed rank) print one clear
 message and exit with status 1; nothing half-written is left under an output name.
 """
@@ -9,12 +9,13 @@ message and exit with status 1; nothing half-written is left under an output nam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
 from tinylm.config import RESULTS, Config, ConfigError, from_dict, load_config, run_state_dir
-from tinylm.io import exit_now
+from tinylm.io import exit_now, stderr_copied_to
 
 DEFAULT_CONFIG = "config/config.yaml"
 SPLITS = ("train", "valid")
@@ -24,16 +25,27 @@ def _config(args: argparse.Namespace) -> Config:
     """The config of --config-json or --config; sets args.config_name and args.weight_sections (the
     sections of the trained weights, model and train, that were given: a config file gives all)."""
     if args.config_json is not None:
+        text, args.config_name = args.config_json, "the config given with --config-json"
+        if text.startswith("@"):  # @FILE: the JSON in that file (what the Snakemake rules give)
+            text, args.config_name = _read_text(text[1:], "--config-json"), f"the config in {text[1:]}"
         try:
-            raw = json.loads(args.config_json)
+            raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--config-json: not valid JSON: {e}") from None
-        args.config_name = "the config given with --config-json"
+            raise ConfigError(f"--config-json: {args.config_name}: not valid JSON: {e}") from None
         args.weight_sections = tuple(s for s in ("model", "train") if isinstance(raw, dict) and s in raw)
         return from_dict(raw)
     args.config_name = args.config
     args.weight_sections = ("model", "train")
     return load_config(args.config)
+
+
+def _read_text(path: str, option: str) -> str:
+    """The text of the file an option names (`--option @FILE`); an error naming the option and file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{option}: cannot read {path}: {e}") from None
 
 
 def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None) -> tuple[str, int | None]:
@@ -101,17 +113,16 @@ class Stopped(KeyboardInterrupt):
 
 def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes."""
+    state_dir = args.state_dir or run_state_dir(cfg)
+    if args.plan or args.plan_device:
+        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
+        return
     import shlex
     import signal
 
     from tinylm.parallel.launch import is_global_rank0
     from tinylm.pretrain import train
     from tinylm.pretrain.steps import committed_steps
-
-    state_dir = args.state_dir or run_state_dir(cfg)
-    if args.plan or args.plan_device:
-        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
-        return
 
     def on_sigterm(signum, frame):
         raise Stopped()
@@ -265,8 +276,11 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
 def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
 
+    text = args.runs_json
+    if text.startswith("@"):
+        text = _read_text(text[1:], "--runs-json")
     try:
-        runs = json.loads(args.runs_json)
+        runs = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--runs-json: not valid JSON: {e}") from None
     table = compare_runs(runs)
@@ -320,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})"
         )
         g.add_argument(
-            "--config-json", help="the whole config as a JSON string (used by the Snakemake rules)"
+            "--config-json",
+            help="the config (any of its sections) as a JSON string, or @FILE to read that JSON from FILE "
+            "(what the Snakemake rules give)",
         )
         p.set_defaults(func=func)
         return p
@@ -348,8 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"resume state folder (default {RESULTS}/state/<hash of the run's config>)",
     )
     p.add_argument("--checkpoint-dir", default=f"{RESULTS}/checkpoints")
-    p.add_argument("--tensorboard-dir", default=f"{RESULTS}/tensorboard")
+    p.add_argument(
+        "--tensorboard-dir",
+        default=f"{RESULTS}/tensorboard",
+        help="TensorBoard's event files go to a folder of the run's own in it, <run name>-<run hash> "
+        "(default: %(default)s)",
+    )
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
+    p.add_argument(
+        "--log",
+        default=None,
+        help="also write everything this command says (its ranks' too) to this file; it still reaches "
+        "the terminal, up to the last line of a stopped run",
+    )
     p.add_argument(
         "--plan",
         action="store_true",
@@ -404,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--runs-json",
         required=True,
-        help='the runs as JSON: [{"name", "eval", "checkpoints", "overrides", "values"}, ...] '
-        "(values: each run's value of every key that some run overrides)",
+        help='the runs as JSON, or @FILE to read it from FILE: [{"name", "eval", "checkpoints", "overrides", '
+        '"values"}, ...] (values: each run\'s value of every key that some run overrides)',
     )
     p.add_argument("--output", default=f"{RESULTS}/compare.csv")
     p.add_argument(
@@ -432,6 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (None: sys.argv), for the resume hint of `pretrain`
+    log = getattr(args, "log", None)  # everything said, errors too, also into this file
+    with stderr_copied_to(log) if log else contextlib.nullcontext():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The stage of `args`, its errors as one line each; the exit status."""
     try:
         cfg = _config(args) if getattr(args, "reads_config", True) else None
         args.func(cfg, args)

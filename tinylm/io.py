@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,6 +125,44 @@ def link_or_copy(src: Path, dst: Path) -> None:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise
             shutil.copyfile(src, tmp)
+
+
+@contextlib.contextmanager
+def stderr_copied_to(path: str | os.PathLike) -> Iterator[None]:
+    """Within the block, everything written to this process's standard error, and to that of the
+    processes it starts (they inherit descriptor 2), still reaches it and is also written to `path`
+    (a log file, rewritten).
+
+    A pipe takes descriptor 2's place and a thread copies it to both. Unlike `cmd 2>&1 | tee log`,
+    the copier lives in this process, so a Ctrl-C or SIGTERM sent to the whole process group, which
+    ends `tee` at once, does not cut off what this process says while it stops.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "wb")  # noqa: SIM115 (closed below, after the copier has finished)
+    read_end, write_end = os.pipe()
+    original = os.dup(2)
+
+    def copy() -> None:
+        while chunk := os.read(read_end, 1 << 16):
+            os.write(original, chunk)
+            log.write(chunk)
+            log.flush()
+
+    copier = threading.Thread(target=copy, name="stderr-copy", daemon=True)
+    copier.start()
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(original, 2)  # the pipe's last writer here; a child still running keeps it open
+        copier.join(timeout=5.0)
+        if not copier.is_alive():  # else a process started here still writes: leave the copier be
+            os.close(read_end)
+            os.close(original)
+            log.close()
 
 
 def exit_now(code: int) -> None:

@@ -1,9 +1,12 @@
+import hashlib
 import json
 import shutil
 import subprocess
 from dataclasses import asdict
+from pathlib import Path
 
-from tinylm.config import DEFAULT_RUN, data_hash, run_state_dir
+from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_state_dir
+from tinylm.io import atomic_path
 from tinylm.corpus.readers import matching_files
 
 # Where artifacts live. The main config is the run "default": its files are where they always were
@@ -47,9 +50,22 @@ def run_cfg(wildcards):
     return RUNS[RUN_OF[wildcards.run_dir]]
 
 
+def json_file(text):
+    """`@results/configs/<sha256 of text>.json`, the file that holds `text` (written once, atomically):
+    how a rule hands a stage its config (`--config-json @FILE`) or the compared runs, so that job lines
+    stay short. The name is the content's hash: editing a section changes the parameter, which reruns
+    the jobs that get it (Snakemake's params trigger), and a stage rerun by hand reads the same JSON."""
+    path = Path(RESULTS) / "configs" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    return f"@{path}"
+
+
 def sections_json(cfg, *names):
-    """The named config sections as JSON; editing any of them reruns the jobs that get them."""
-    return json.dumps({name: asdict(getattr(cfg, name)) for name in names}, sort_keys=True)
+    """The named config sections in a JSON file (json_file); editing any of them reruns the jobs that get them."""
+    return json_file(json.dumps({name: asdict(getattr(cfg, name)) for name in names}, sort_keys=True))
 
 
 def run_json(*names):

@@ -26,12 +26,12 @@ rule compare:
         seeds=report("results/compare_seeds.csv", caption="../report/compare.rst", category="Comparison"),
         plot=report("results/compare.png", caption="../report/compare.rst", category="Comparison"),
     params:
-        runs=json.dumps(COMPARED, sort_keys=True),
+        runs=json_file(json.dumps(COMPARED, sort_keys=True)),
     conda:
         "../envs/tinylm.yaml"
     log:
         "results/logs/compare.log",
     threads: 1
     shell:
-        "python -m tinylm compare --runs-json {params.runs:q} --output {output.table}"
+        "python -m tinylm compare --runs-json {params.runs} --output {output.table}"
         " --seeds-output {output.seeds} --plot {output.plot} 2> {log}"

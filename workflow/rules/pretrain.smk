@@ -1,9 +1,10 @@
 # The resume state lives in the run's state folder (tinylm.config.run_state_dir), outside the declared outputs:
 # Snakemake deletes declared outputs before a job runs and after it fails, so a killed run rerun
 # with `snakemake --rerun-incomplete` resumes from there and republishes every checkpoint.
-# The progress lines go to the terminal as well as to the log (tee; Snakemake's bash runs with
-# pipefail, so a failed pretrain still fails the job); each line is labelled with the run's name, so the
-# runs of a sweep that train side by side can be told apart.
+# The progress lines go to the terminal as well as to the log (--log: the stage copies its own standard
+# error, so the line that says how to resume a stopped run reaches both); each line is labelled with the
+# run's name, so the runs of a sweep that train side by side can be told apart. TensorBoard gets a folder
+# per run under results/tensorboard (<run name>-<run hash>), so one --logdir shows every run.
 rule pretrain:
     input:
         tokenizer=data_file("tokenizer/tokenizer.json"),
@@ -30,5 +31,5 @@ rule pretrain:
     shell:
         "{params.launcher} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
-        " --checkpoint-dir {output} --tensorboard-dir results/{wildcards.run_dir}tensorboard --run-name {params.run_name}"
-        " 2>&1 | tee {log}"
+        " --checkpoint-dir {output} --tensorboard-dir results/tensorboard --run-name {params.run_name}"
+        " --log {log}"
