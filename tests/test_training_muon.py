@@ -76,7 +76,8 @@ def test_tensorboard_gets_one_learning_rate_per_group(muon_run):
 
     from tinylm.config import load_config
 
-    events = EventAccumulator(str(muon_run["state"].parent / "state_tb"))
+    (run_folder,) = (muon_run["state"].parent / "state_tb").iterdir()  # the run's own folder
+    events = EventAccumulator(str(run_folder))
     events.Reload()
     tags = events.Tags()["scalars"]
     assert {f"lr/{name}" for name in GROUPS} <= set(tags)
