@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from helpers import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
 
+from tinylm.checkpoint import Manifest
 from tinylm.parallel import ShardedOptimizer
 
 
@@ -99,7 +100,7 @@ def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
         steps,
         model,
         optimizer,
-        manifest={"run": "toy"},
+        manifest=Manifest(seed=0),
         entries={"tokens_seen": 20 * steps},
         per_rank={"rng": {"rank": ctx.rank, "torch": torch.get_rng_state()}},
     )
@@ -149,7 +150,7 @@ def checkpoint_with_a_slow_or_hung_rank(
         os.pwrite = slow_pwrite
     Path(out_dir, f"pid{ctx.rank}").write_text(str(os.getpid()))
     start = time.monotonic()
-    save_step(ctx, state_dir, 2, model, optimizer, manifest={"run": "toy"})
+    save_step(ctx, state_dir, 2, model, optimizer, manifest=Manifest(seed=0))
     seconds = time.monotonic() - start
     total = torch.ones(1)
     dist.all_reduce(total)

@@ -28,7 +28,7 @@ import yaml
 from _faults import fault_env
 from torch import nn
 
-from tinylm.checkpoint import FORMAT, CheckpointReader, map_tensors, read_manifest
+from tinylm.checkpoint import FORMAT, CheckpointReader, Manifest, map_tensors, read_manifest
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
@@ -72,7 +72,7 @@ def manifest_for(path: Path, **keys) -> dict:
     return {"format": FORMAT, **keys, "files": {path.name: whole_file_entry(path)}}
 
 
-def read_checked(path: Path) -> tuple[dict, dict]:
+def read_checked(path: Path) -> tuple[dict, Manifest]:
     """(payload, manifest) of a committed file, every tensor read through CheckpointReader.
 
     The manifest is `step_N.json` beside a published `step_N.pt`, else manifest.json in its folder.
@@ -84,7 +84,7 @@ def read_checked(path: Path) -> tuple[dict, dict]:
         else path.with_suffix(".json")
     )
     manifest = read_manifest(manifest_path)
-    return read_all(path, manifest["files"][path.name]), manifest
+    return read_all(path, manifest.files[path.name]), manifest
 
 
 def read_all(path: Path, entry: dict) -> dict:
@@ -117,14 +117,14 @@ def small_checkpoint(step: int) -> dict:
     }
 
 
-IDENTITY = {  # a run identity for commit()
-    "world_size": 2,
-    "threads_per_rank": 1,
-    "seed": 0,
-    "structural_hash": "abc",
-    "tokenizer_sha256": "t" * 64,
-    "config": {"train": {"max_iters": 10, "lr_max": 0.1}},
-}
+IDENTITY = Manifest(  # a run identity for commit()
+    world_size=2,
+    threads_per_rank=1,
+    seed=0,
+    structural_hash="abc",
+    tokenizer_sha256="t" * 64,
+    config={"train": {"max_iters": 10, "lr_max": 0.1}},
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,13 +291,13 @@ def build_tiny_lm(folder: Path, steps: int = 150) -> dict:
         optimizer.step()
     torch.set_num_threads(threads)
     payload = {"model": model.state_dict(), "optimizer": {}, "iteration": steps, "model_config": dict(MODEL)}
-    manifest = {
-        "world_size": 1,
-        "tokens_seen": steps * 16 * MODEL["context_length"],
-        "model_config": dict(MODEL),
-        "tokenizer_sha256": sha256_file(folder / "tokenizer.json"),
-        "tokenizer_path": str(folder / "tokenizer.json"),
-    }
+    manifest = Manifest(
+        world_size=1,
+        tokens_seen=steps * 16 * MODEL["context_length"],
+        model_config=dict(MODEL),
+        tokenizer_sha256=sha256_file(folder / "tokenizer.json"),
+        tokenizer_path=str(folder / "tokenizer.json"),
+    )
     commit(folder / "state", steps, payload, manifest)
     publish(folder / "state", folder / "ckpt")
     return {

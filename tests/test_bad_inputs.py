@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import manifest_for, write_tiny_config
 
+from tinylm.checkpoint import Manifest
 from tinylm.config import load_config, weight_config
 from tinylm.data import load_tokens
 from tinylm.io import sha256_file
@@ -88,7 +89,7 @@ def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
             "model_config": config,
             "rng": [],
         }
-        manifest = {"world_size": 1, "tokens_seen": step * 128, "model_config": config}  # as the trainer's
+        manifest = Manifest(world_size=1, tokens_seen=step * 128, model_config=config)  # as the trainer's
         state_lib.commit(folder / "state", step, payload, manifest)
     publish(folder / "state", folder / "ckpt")
     return folder / "ckpt"
@@ -414,11 +415,11 @@ def test_full_disk_while_writing_token_files_simulated(tiny_data, tmp_path, monk
 def test_full_disk_while_writing_a_checkpoint_commits_nothing(tmp_path, tiny_disk):
     big = {"model": {"w": torch.zeros(64, 1024)}, "iteration": 1}  # 256 KiB: does not fit
     with pytest.raises((OSError, RuntimeError)):
-        state_lib.commit(tiny_disk, 1, big, {"world_size": 1})
+        state_lib.commit(tiny_disk, 1, big, Manifest(world_size=1))
     assert state_lib.committed_steps(tiny_disk) == []
     assert not (tiny_disk / "step_0000001" / "checkpoint.pt").exists()
     # A small checkpoint still commits once there is room again.
-    state_lib.commit(tiny_disk, 2, {"model": {"w": torch.zeros(4)}, "iteration": 2}, {"world_size": 1})
+    state_lib.commit(tiny_disk, 2, {"model": {"w": torch.zeros(4)}, "iteration": 2}, Manifest(world_size=1))
     assert state_lib.committed_steps(tiny_disk) == [2]
 
 

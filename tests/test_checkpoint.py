@@ -148,7 +148,7 @@ def test_compiled_model_is_saved_under_its_plain_parameter_names(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Large files, piece by piece (tinylm/checkpoint.py: plan_file, write_tensors, CheckpointReader)
+# Large files, piece by piece (tinylm/checkpoint/pieces.py: plan_file, write_tensors, CheckpointReader)
 
 
 def _mixed_payload() -> dict:
@@ -252,3 +252,52 @@ def test_the_reader_reads_and_checks_only_the_tensors_asked_for(tmp_path, monkey
             reader.read_into(saved["model"]["embed"], torch.empty(5, 7))
     with pytest.raises(CheckpointError, match="r.pt.*sha256"):
         read_all(path, entry)
+
+
+def test_the_manifest_type_reads_what_earlier_writers_wrote_and_round_trips(tmp_path):
+    import json
+
+    from tinylm.checkpoint import FORMAT, Manifest, read_manifest
+    from tinylm.checkpoint.manifest import write_manifest
+
+    # A manifest as the writer before the Manifest type wrote it (a dict, no machine record), plus an
+    # entry of a newer writer: the known fields are read, the unknown one is left out.
+    earlier = {
+        "config": {"model": {"d_model": 16}, "train": {"seed": 0}},
+        "files": {"checkpoint.pt": {"bytes": 10, "other": [[0, 10, "ab"]], "records": []}},
+        "format": FORMAT,
+        "model_config": {"vocab_size": 40},
+        "seed": 0,
+        "step": 500,
+        "structural_hash": "abc",
+        "tokenizer_sha256": "t" * 64,
+        "tokens_seen": 64000,
+        "torch_version": "2.13.0+cpu",
+        "train_seconds": 12.5,
+        "weights_sha256": "w" * 64,
+        "world_size": 2,
+        "threads_per_rank": 1,
+        "from_the_future": [1, 2],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(earlier))
+    manifest = read_manifest(tmp_path / "m.json")
+    assert isinstance(manifest, Manifest)
+    assert (manifest.step, manifest.tokens_seen, manifest.train_seconds, manifest.machine) == (
+        500,
+        64000,
+        12.5,
+        None,
+    )
+    assert manifest.files == earlier["files"] and manifest.config == earlier["config"]
+    # The one writer writes exactly the recorded fields; reading them back gives the same record.
+    write_manifest(tmp_path / "again.json", manifest)
+    written = json.loads((tmp_path / "again.json").read_text())
+    assert written == {k: v for k, v in earlier.items() if k != "from_the_future"}
+    assert read_manifest(tmp_path / "again.json") == manifest
+    for broken, words in [
+        ({**earlier, "format": 1}, "manifest of format 1, this tinylm reads format"),
+        ({k: v for k, v in earlier.items() if k != "files"}, "manifest has no 'files' table"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(CheckpointError, match=words):
+            read_manifest(tmp_path / "bad.json")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tinylm import evaluate as evaluation
+from tinylm.checkpoint import Manifest
 from tinylm.checkpoint import published as checkpoint_published
 from tinylm.evaluate import evaluate_checkpoints, read_eval, score_tokens, write_eval
 from tinylm.model import Transformer
@@ -121,9 +122,9 @@ def publish(folder: Path, steps, seed: int = 0, dtype: str | None = None) -> Pat
             "model_config": CONFIG,
             "rng": [],
         }
-        manifest = {"world_size": 1, "tokens_seen": step * 64}
+        manifest = Manifest(world_size=1, tokens_seen=step * 64)
         if dtype is not None:
-            manifest["config"] = {"train": {"dtype": dtype}}
+            manifest.config = {"train": {"dtype": dtype}}
         state_lib.commit(folder / "state", step, payload, manifest, keep=10)
     publish_run(folder / "state", folder / "ckpt")
     return folder / "ckpt"
@@ -329,7 +330,7 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
             "model_config": LARGE,
         }
         state_lib.commit(
-            tmp_path / "state", step, payload, {"world_size": 1, "tokens_seen": step * 64}, keep=10
+            tmp_path / "state", step, payload, Manifest(world_size=1, tokens_seen=step * 64), keep=10
         )
         del moments, payload
     publish_run(tmp_path / "state", tmp_path / "ckpt")

@@ -20,7 +20,7 @@ from helpers import MODEL, SPECIALS, mixed_text
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tinylm.checkpoint import CheckpointError, load_model
+from tinylm.checkpoint import CheckpointError, Manifest, load_model
 from tinylm.export import ExportError, export_hf, interleaved_to_halves
 from tinylm.generating import generate, generate_reference
 from tinylm.model import RotaryEmbedding, Transformer
@@ -215,7 +215,7 @@ def test_bfloat16_export_loads_as_bfloat16_and_computes_our_rounded_model(tiny_l
 
 def publish(folder: Path, payload: dict, step: int = 5) -> Path:
     state_lib.commit(
-        folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, {"world_size": 1}
+        folder / "state", step, {"optimizer": {}, "iteration": step, **payload}, Manifest(world_size=1)
     )
     publish_run(folder / "state", folder / "ckpt")
     return folder / "ckpt"

@@ -3,6 +3,7 @@ when the checkpoints were trained with another config than theirs."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import yaml
 from helpers import MODEL
 
 from tinylm.__main__ import main
+from tinylm.checkpoint import Manifest
 from tinylm.config import load_config, run_hash, weight_config
 from tinylm.io import sha256_file
 from tinylm.locate import config_differences, find_checkpoints
@@ -48,12 +50,12 @@ def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> No
             state_dir,
             step,
             {**payload, "iteration": step, "tokens_seen": step * 64},
-            {
-                "world_size": 1,
-                "tokens_seen": step * 64,
-                "config": recorded,
-                "tokenizer_sha256": sha256_file(tiny_lm["tokenizer"]),
-            },
+            Manifest(
+                world_size=1,
+                tokens_seen=step * 64,
+                config=recorded,
+                tokenizer_sha256=sha256_file(tiny_lm["tokenizer"]),
+            ),
             keep=10,
         )
 
@@ -176,15 +178,15 @@ def test_find_checkpoints_prefers_the_published_folder_unless_the_state_is_newer
 def test_config_differences_name_each_key():
     cfg = load_config(ROOT / "config" / "config.yaml")
     recorded = weight_config(cfg)
-    assert config_differences({"config": recorded}, cfg) == []
-    assert config_differences({}, cfg) == []  # an older manifest records no config
+    assert config_differences(Manifest(config=recorded), cfg) == []
+    assert config_differences(Manifest(), cfg) == []  # an older manifest records no config
     recorded["model"]["d_ff"] = 96
     recorded["train"]["seed"] = 3
-    assert config_differences({"config": recorded}, cfg) == [
+    assert config_differences(Manifest(config=recorded), cfg) == [
         "model.d_ff: 96 in the checkpoint, 344 in the config",
         "train.seed: 3 in the checkpoint, 0 in the config",
     ]
-    assert config_differences({"config": recorded}, cfg, ("train",)) == [
+    assert config_differences(Manifest(config=recorded), cfg, ("train",)) == [
         "train.seed: 3 in the checkpoint, 0 in the config"
     ]
 
@@ -264,3 +266,44 @@ def test_a_corrupt_published_checkpoint_is_one_line_naming_the_file(workdir, tin
         assert code == 1, err
         assert err.splitlines()[-1].startswith(f"tinylm {argv[0]}: error: {path}: the bytes at offset "), err
         assert err.splitlines()[-1].endswith("the file is corrupt"), err
+
+
+def test_checkpoints_of_another_machine_kind_are_said_in_one_line(workdir, tiny_lm, capsys, tmp_path):
+    commit_steps(tmp_path / "state", [100], Path("config/config.yaml"), tiny_lm)
+    manifest_path = tmp_path / "state" / "published" / "step_100.json"
+    # As if trained with another torch on a CPU of another instruction set.
+    manifest = json.loads(manifest_path.read_text())
+    manifest["machine"] = {
+        "torch": "2.10.0",
+        "device": "cpu",
+        "cpu_capability": "OTHER",
+        "gpu": None,
+        "threads": 1,
+    }
+    manifest_path.write_text(json.dumps(manifest))
+    publish(tmp_path / "state", "results/checkpoints")
+    here = torch.backends.cpu.get_cpu_capability()
+    code, _, err = run_cli(capsys, "evaluate")
+    assert code == 0, err
+    (line,) = [line for line in err.splitlines() if "another machine kind" in line]
+    assert line == (
+        "[evaluate] results/checkpoints/step_100.pt was trained on another machine kind (torch '2.10.0' "
+        f"there, {torch.__version__!r} here; cpu_capability 'OTHER' there, {here!r} here): figures made "
+        "here differ from that machine's in the last bits (within the seed spread)"
+    )
+    notes = Path("results/eval_columns.md").read_text()
+    assert f"- evaluated with torch {torch.__version__} on cpu ({here}), torch threads 1\n" in notes
+    assert "- trained with torch 2.10.0 on cpu (OTHER), torch threads 1 per rank\n" in notes
+    # The same machine kind: nothing to say.
+    manifest["machine"] = {
+        "torch": torch.__version__,
+        "device": "cpu",
+        "cpu_capability": here,
+        "gpu": None,
+        "threads": 4,
+    }
+    for path in (manifest_path, Path("results/checkpoints/step_100.json")):
+        path.unlink()
+        path.write_text(json.dumps(manifest))
+    code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
+    assert code == 0 and "another machine kind" not in err, err

@@ -12,6 +12,7 @@ import torch
 import yaml
 from helpers import ROOT, pretrain, write_tiny_config
 
+from tinylm.checkpoint import Manifest
 from tinylm.config import TrainConfig, from_dict
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
@@ -291,7 +292,7 @@ def test_the_plan_of_a_run_to_resume_uses_its_own_accumulation(tmp_path, capsys,
     from tinylm.pretrain.state import commit
 
     config = write_tiny_config(tmp_path / "c.yaml", train={"grad_accum_steps": "auto"})
-    commit(tmp_path / "state", 4, small_checkpoint(4), {"grad_accum_steps": 2})
+    commit(tmp_path / "state", 4, small_checkpoint(4), Manifest(grad_accum_steps=2))
     code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--state-dir", tmp_path / "state")
     assert code == 0, err
     assert "train.grad_accum_steps auto: 2 (the run's own, resumed)" in err

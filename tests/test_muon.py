@@ -339,15 +339,17 @@ def test_muon_keys_count_only_with_muon():
 
 
 def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
-    from tinylm.checkpoint import FORMAT, CheckpointError
+    from dataclasses import replace
+
+    from tinylm.checkpoint import FORMAT, CheckpointError, Manifest
     from tinylm.config import from_dict, weight_config
     from tinylm.pretrain.resume import check_resumable
 
-    def manifest(train: dict) -> dict:
-        return {"seed": 0, "structural_hash": "abc", "config": weight_config(from_dict({"train": train}))}
+    def manifest(train: dict) -> Manifest:
+        return Manifest(seed=0, structural_hash="abc", config=weight_config(from_dict({"train": train})))
 
     adamw, muon = manifest({}), manifest({"optimizer": "muon"})
-    saved_adamw, saved_muon = {**adamw, "format": FORMAT}, {**muon, "format": FORMAT}
+    saved_adamw, saved_muon = replace(adamw, format=FORMAT), replace(muon, format=FORMAT)
     check_resumable(saved_adamw, adamw, "s")
     check_resumable(saved_muon, muon, "s")
     with pytest.raises(
@@ -363,8 +365,8 @@ def test_a_resume_that_changes_the_optimizer_is_refused_by_name():
     ):
         check_resumable(saved_muon, manifest({"optimizer": "muon", "muon_lr": 0.05}), "s")
     # An AdamW state holds none of the Muon keys; a state without the key is read as its default.
-    assert not {"muon_lr", "embedding_lr"} & set(saved_adamw["config"]["train"])
-    without_optimizer = {**saved_adamw, "config": {"train": {}}}
+    assert not {"muon_lr", "embedding_lr"} & set(saved_adamw.config["train"])
+    without_optimizer = replace(saved_adamw, config={"train": {}})
     check_resumable(without_optimizer, adamw, "s")
     with pytest.raises(CheckpointError, match=r"train\.optimizer differs \(state has 'adamw'"):
         check_resumable(without_optimizer, muon, "s")

@@ -2,6 +2,7 @@
 weights), republishing after an interruption."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def test_published_newest_is_full_older_are_weights_and_the_disk_is_bounded(tmp_
     # Older steps keep what evaluation and generation need.
     for path, step in zip(out[:-1], (10, 20, 30), strict=True):
         weights, published = read_checked(path)
-        assert published["contents"] == "weights" and "optimizer" not in weights
+        assert published.contents == "weights" and "optimizer" not in weights
         expected = small_checkpoint(step)
         assert_same(
             weights, {key: expected[key] for key in ("model", "iteration", "tokens_seen", "model_config")}
@@ -65,7 +66,7 @@ def test_republishing_after_an_interruption_restores_every_pair(tmp_path):
     assert published_steps(tmp_path / "published") == [20]
     out = publish(tmp_path, tmp_path / "checkpoints")
     assert [p.name for p in out] == ["step_10.pt", "step_20.pt"]
-    assert read_checked(out[0])[1]["contents"] == "weights"
+    assert read_checked(out[0])[1].contents == "weights"
 
 
 def test_publishing_into_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path):
@@ -73,7 +74,7 @@ def test_publishing_into_another_runs_folder_is_refused_and_leaves_it_as_it_was(
         commit(tmp_path / "first", step, small_checkpoint(step), IDENTITY)
     publish(tmp_path / "first", tmp_path / "checkpoints")
     before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in (tmp_path / "checkpoints").iterdir()}
-    other = {**IDENTITY, "config": {"train": {"max_iters": 30, "lr_max": 0.1}}}
+    other = replace(IDENTITY, config={"train": {"max_iters": 30, "lr_max": 0.1}})
     for step in (10, 20, 30):
         commit(tmp_path / "second", step, small_checkpoint(step), other)
     with pytest.raises(CheckpointError) as refused:
@@ -90,7 +91,7 @@ def test_publishing_into_another_runs_folder_is_refused_and_leaves_it_as_it_was(
         "step_10.pt",
         "step_20.pt",
     ]
-    seeded = {**IDENTITY, "seed": 1}
+    seeded = replace(IDENTITY, seed=1)
     commit(tmp_path / "third", 10, small_checkpoint(10), seeded)
     with pytest.raises(CheckpointError, match=r"\(seed: 0 there, 1 in this run\)"):
         publish(tmp_path / "third", tmp_path / "checkpoints")

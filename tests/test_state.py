@@ -108,7 +108,7 @@ def _hostile_checkpoint(folder: Path, marker: Path) -> Path:
     folder.mkdir(parents=True)
     path = folder / "checkpoint.pt"
     torch.save({"model": {}, "iteration": 1, "x": _Exploit(marker)}, path)
-    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **IDENTITY, step=1)))
+    (folder / "manifest.json").write_text(json.dumps(manifest_for(path, **IDENTITY.to_json(), step=1)))
     return path
 
 

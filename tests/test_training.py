@@ -49,6 +49,16 @@ def test_training_learns_and_publishes_every_checkpoint(uninterrupted):
     assert committed_steps(uninterrupted["state"]) == [8, 12]  # keep_checkpoints = 2
     payload = final_payload(uninterrupted["state"])
     assert payload["iteration"] == 12 and len(payload["rng"]) == 2
+    assert set(payload["rng"][0]) == {"torch", "cuda", "python"}  # the generators training draws from
+    # What made the numbers: torch, the device, the CPU's kernels, each rank's threads.
+    manifest = json.loads((uninterrupted["state"] / "step_0000012" / "manifest.json").read_text())
+    assert manifest["machine"] == {
+        "torch": torch.__version__,
+        "device": "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": None,
+        "threads": 1,
+    }
     # The consolidated optimizer state covers every parameter and loads into a plain AdamW.
     from tinylm.model import Transformer
     from tinylm.optim import AdamW, param_groups
@@ -553,23 +563,25 @@ def test_each_rank_gets_its_share_of_compile_threads(monkeypatch):
 
 
 def test_resume_check_names_the_value_that_differs():
+    from dataclasses import replace
+
     from helpers import IDENTITY as MANIFEST
 
     from tinylm.checkpoint import FORMAT, CheckpointError
     from tinylm.pretrain.resume import check_resumable
 
-    saved = {**MANIFEST, "format": FORMAT}
-    check_resumable(saved, dict(MANIFEST), "s")
+    saved = replace(MANIFEST, format=FORMAT)
+    check_resumable(saved, MANIFEST, "s")
     with pytest.raises(CheckpointError, match="format differs"):
-        check_resumable({**saved, "format": 1}, dict(MANIFEST), "s")
+        check_resumable(replace(saved, format=1), MANIFEST, "s")
     # The same batches at any world size or thread count: those may change.
-    check_resumable(saved, {**MANIFEST, "world_size": 3, "threads_per_rank": 2}, "s")
+    check_resumable(saved, replace(MANIFEST, world_size=3, threads_per_rank=2), "s")
     with pytest.raises(CheckpointError, match="seed differs.*0.*1"):
-        check_resumable(saved, {**MANIFEST, "seed": 1}, "s")
+        check_resumable(saved, replace(MANIFEST, seed=1), "s")
     with pytest.raises(CheckpointError, match="structural_hash differs"):
-        check_resumable(saved, {**MANIFEST, "structural_hash": "zzz"}, "s")
+        check_resumable(saved, replace(MANIFEST, structural_hash="zzz"), "s")
     with pytest.raises(CheckpointError, match=r"train\.lr_max differs \(state has 0\.1, this run has 0\.2\)"):
-        check_resumable(saved, {**MANIFEST, "config": {"train": {"max_iters": 10, "lr_max": 0.2}}}, "s")
+        check_resumable(saved, replace(MANIFEST, config={"train": {"max_iters": 10, "lr_max": 0.2}}), "s")
 
 
 def flip_byte(path: Path, where: float = 0.5) -> None:

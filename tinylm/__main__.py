@@ -56,10 +56,12 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None)
     stopped; see tinylm/locate.py). Says which when it is not results/checkpoints, and, when the
     checkpoint was trained with other model or train keys than the config's, which keys differ.
     Refuses a folder that holds several runs' checkpoints, and a --tokenizer other than the one the
-    checkpoints were trained with (by its sha256).
+    checkpoints were trained with (by its sha256); says when they were trained on another machine kind.
     """
+    import torch
+
     from tinylm.checkpoint import check_tokenizer, published_file, published_run
-    from tinylm.locate import find_checkpoints, warn_if_other_config
+    from tinylm.locate import find_checkpoints, warn_if_other_config, warn_if_other_machine
 
     state_dir = None if args.checkpoint_dir is not None else (args.state_dir or run_state_dir(cfg))
     folder, note = find_checkpoints(args.checkpoint_dir or f"{RESULTS}/checkpoints", state_dir, step)
@@ -71,6 +73,8 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None)
     if step in manifests:
         check_tokenizer(manifests[step], args.tokenizer, published_file(folder, step))
         warn_if_other_config(args.stage, folder, step, cfg, args.weight_sections, args.config_name)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        warn_if_other_machine(args.stage, published_file(folder, step), manifests[step], device)
     return str(folder), step
 
 
@@ -190,7 +194,7 @@ def print_memory_plan(cfg: Config, tokenizer_path: str, state_dir: str, plan_dev
             log_line(True, note)
         device = run_device(backend, cfg.train.world_size)
     steps = committed_steps(state_dir)
-    resumed = step_manifest(state_dir, steps[-1]).get("grad_accum_steps") if steps else None
+    resumed = step_manifest(state_dir, steps[-1]).grad_accum_steps if steps else None
     for line in model_summary(model_config_of(cfg, vocab_size), cfg.train, device):
         log_line(True, line)
     plan_run(cfg, vocab_size, device, is_rank0=True, resumed_accumulation=resumed)

@@ -43,7 +43,7 @@ from typing import Any
 
 import pandas as pd
 
-from tinylm.checkpoint import published_run
+from tinylm.checkpoint import Manifest, published_run
 from tinylm.io import atomic_path
 
 COLUMNS = [
@@ -120,7 +120,7 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
         path = Path(run["eval"])
         if not path.is_file():
             raise FileNotFoundError(f"run {run['name']}: {path} not found (evaluate the run first)")
-        table = pd.read_csv(path)  # a plain CSV (see evaluation.write_eval)
+        table = pd.read_csv(path)  # a plain CSV (see tinylm.evaluate.write_eval)
         missing = {"step", "tokens_seen", "val_loss", "bits_per_byte"} - set(table.columns)
         if missing:
             raise ValueError(f"run {run['name']}: {path} lacks the columns {sorted(missing)}")
@@ -136,16 +136,16 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
         manifests = published_run(run["checkpoints"])  # refuses a folder of several runs
         for record in table.to_dict("records"):
             step = int(record["step"])
-            manifest = manifests.get(step, {})
+            manifest = manifests.get(step) or Manifest()
             rows.append(
                 {
                     "run": run["name"],
                     "overrides": describe_overrides(run.get("overrides") or {}),
                     "differs": describe_overrides(shown),
-                    "vocab_size": (manifest.get("model_config") or {}).get("vocab_size", math.nan),
+                    "vocab_size": (manifest.model_config or {}).get("vocab_size", math.nan),
                     "step": step,
                     "tokens_seen": int(record["tokens_seen"]),
-                    "train_seconds": float(manifest.get("train_seconds", math.nan)),
+                    "train_seconds": math.nan if manifest.train_seconds is None else manifest.train_seconds,
                     "val_loss": float(record["val_loss"]),
                     "bits_per_byte": float(record["bits_per_byte"]),
                     "config": config,

@@ -47,7 +47,7 @@ from tinylm.checkpoint import CheckpointError, load_model, published_manifest, p
 from tinylm.data import load_tokens
 from tinylm.io import atomic_path, atomic_write_text
 from tinylm.nn_utils import row_chunks
-from tinylm.precision import autocast, dtype_name, resolve_dtype
+from tinylm.precision import autocast, dtype_name, machine, resolve_dtype
 from tinylm.tokenizer import Tokenizer
 
 COLUMNS = ["step", "tokens_seen", "val_loss", "val_ppl", "bits_per_byte", "unigram_entropy", "gap_to_unigram"]
@@ -191,16 +191,17 @@ def evaluate_checkpoints(
     special_ids = sorted(tokenizer.special_ids.values())
     device = torch.device(device)
 
+    here = machine(device)
     rows = []
     for step in steps:
         manifest = published_manifest(checkpoint_dir, step)
-        train_dtype = manifest.get("config", {}).get("train", {}).get("dtype", "float32")
+        train_dtype = ((manifest.config or {}).get("train") or {}).get("dtype", "float32")
         dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
         # The manifest names the weights (recorded while they were written) and the tokens seen, so
         # a checkpoint scored before is found without reading a byte of it.
         key = {
             "version": CACHE_VERSION,
-            "weights_sha256": manifest.get("weights_sha256"),
+            "weights_sha256": manifest.weights_sha256,
             "tokens_sha256": stats.sha256,
             "num_tokens": stats.num_tokens,
             "special_ids": special_ids,
@@ -208,8 +209,9 @@ def evaluate_checkpoints(
             "device": device.type,
             "dtype": dtype_name(dtype),
             "torch": torch.__version__,
+            "machine": {k: here[k] for k in ("cpu_capability", "gpu")},  # the kernels decide the bits
         }
-        tokens_seen = manifest.get("tokens_seen")
+        tokens_seen = manifest.tokens_seen
         cacheable = key["weights_sha256"] is not None and tokens_seen is not None
         cached = _read_cache(cache_dir, key) if cacheable else None
         if cached is None:
@@ -236,7 +238,8 @@ def evaluate_checkpoints(
             file=sys.stderr,
         )
     table = pd.DataFrame(rows, columns=COLUMNS)
-    table.attrs["notes"] = _notes(stats, special_ids, tokenizer)
+    trained_on = published_manifest(checkpoint_dir, steps[-1]).machine
+    table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, trained_on)
     return table
 
 
@@ -270,6 +273,23 @@ def _notes(stats: TokenStats, special_ids: list[int], tokenizer: Tokenizer) -> l
         "context-free model",
         "gap_to_unigram: unigram_entropy - val_loss",
     ]
+
+
+def _made_by(here: dict, trained_on: dict | None) -> list[str]:
+    """The notes' lines on what made the figures (precision.machine): another CPU's kernels or another
+    torch give other last bits, for training and for this evaluation alike."""
+
+    def described(record: dict) -> str:
+        kind = record["gpu"] if record.get("gpu") else f"{record['device']} ({record['cpu_capability']})"
+        return f"torch {record['torch']} on {kind}"
+
+    lines = [f"evaluated with {described(here)}, torch threads {here['threads']}"]
+    if trained_on:
+        lines.append(f"trained with {described(trained_on)}, torch threads {trained_on['threads']} per rank")
+    lines.append(
+        "another CPU instruction set, GPU or torch version gives other last bits (within the seed spread)"
+    )
+    return lines
 
 
 def _cache_path(cache_dir: str | os.PathLike, key: dict) -> Path:

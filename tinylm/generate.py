@@ -212,7 +212,7 @@ def write_samples(
         f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"
     ]
     if eval_path is not None:
-        rows = pd.read_csv(eval_path)  # a plain CSV (see evaluation.write_eval)
+        rows = pd.read_csv(eval_path)  # a plain CSV (see tinylm.evaluate.write_eval)
         row = rows[rows["step"] == step]
         if row.empty:
             raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")

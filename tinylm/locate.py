@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-from tinylm.checkpoint import published_manifest, published_steps
+from tinylm.checkpoint import Manifest, published_manifest, published_steps
 from tinylm.checkpoint.published import PUBLISHED_DIR
 from tinylm.config import Config, weight_config, weight_config_differences
+from tinylm.precision import machine, machine_differences
 
 
 def find_checkpoints(
@@ -63,15 +63,15 @@ def find_checkpoints(
 
 
 def config_differences(
-    manifest: dict[str, Any], cfg: Config, sections: tuple[str, ...] = ("model", "train")
+    manifest: Manifest, cfg: Config, sections: tuple[str, ...] = ("model", "train")
 ) -> list[str]:
     """'section.key: V in the checkpoint, W in the config' for every key of `sections` that differs.
 
     Compared: the keys that decide the trained weights, as the manifest's "config" records them
     (`weight_config` at training time); a manifest without one gives no differences.
     """
-    saved = manifest.get("config")
-    if not isinstance(saved, dict):
+    saved = manifest.config
+    if saved is None:
         return []
     return [
         f"{key}: {before!r} in the checkpoint, {now!r} in the config"
@@ -98,6 +98,26 @@ def warn_if_other_config(
         print(
             f"[{stage}] {Path(checkpoint_dir) / f'step_{step}.pt'} was trained with another config than "
             f"{config_name}: {'; '.join(differences)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return differences
+
+
+def warn_if_other_machine(stage: str, checkpoint: str | os.PathLike, manifest: Manifest, device) -> list[str]:
+    """Print one line `[stage] <checkpoint> was trained on another machine kind: ...` when the
+    manifest's `machine` record (what made its numbers) differs from this process's on `device` in
+    torch's version, the device kind, or the CPU capability or GPU; returns the differences. Figures
+    made here then differ from those made there in the last bits (a manifest without the record,
+    written by an older tinylm, says nothing)."""
+    recorded = manifest.machine
+    if recorded is None:
+        return []
+    differences = machine_differences(recorded, machine(device))
+    if differences:
+        print(
+            f"[{stage}] {checkpoint} was trained on another machine kind ({'; '.join(differences)}): "
+            "figures made here differ from that machine's in the last bits (within the seed spread)",
             file=sys.stderr,
             flush=True,
         )

@@ -7,18 +7,49 @@ in the autocast dtype, and the loss is computed in float32 (tinylm.nn_utils.cros
     with autocast(device, dtype):
         logits = model(x)
 
-Also here: `LossScaler`, float16's loss scaling, and `configure_kernels`, the choice between
-bit-identical and fastest kernels.
+Also here: `LossScaler`, float16's loss scaling, `configure_kernels`, the choice between
+bit-identical and fastest kernels, and `machine`, what besides the config decides the last bits of a
+run's numbers (torch's version, the device kind, the CPU's vector instructions or the GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def machine(device: torch.device | str) -> dict[str, Any]:
+    """What made the numbers, besides the config and the package versions it pins: torch's version,
+    the device kind, the CPU's vector instruction set that torch's kernels use
+    (`torch.backends.cpu.get_cpu_capability()`, e.g. "AVX512"), the GPU's name on CUDA, and torch's
+    threads in this process. Two runs of one config agree bit for bit only where these do."""
+    device = torch.device(device)
+    return {
+        "torch": torch.__version__,
+        "device": device.type,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def machine_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: A there, B here' for each of torch's version, the device kind, and the CPU capability
+    (both on the CPU) or the GPU (both on CUDA) in which two `machine` records differ; threads are
+    left out (a stage's are its own)."""
+    keys = ["torch", "device"]
+    if recorded.get("device") == current.get("device"):
+        keys.append("gpu" if current.get("device") == "cuda" else "cpu_capability")
+    return [
+        f"{key} {recorded.get(key)!r} there, {current.get(key)!r} here"
+        for key in keys
+        if key in recorded and recorded.get(key) != current.get(key)
+    ]
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:

@@ -16,7 +16,7 @@ from tinylm.checkpoint.file import (
     read_checkpoint,
     save_checkpoint,
 )
-from tinylm.checkpoint.manifest import FORMAT, file_entry, read_manifest
+from tinylm.checkpoint.manifest import FORMAT, Manifest, file_entry, read_manifest
 from tinylm.checkpoint.pieces import (
     CheckpointReader,
     Layout,
@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "Layout",
+    "Manifest",
     "check_plain",
     "check_tokenizer",
     "file_entry",

@@ -1,17 +1,10 @@
-"""Manifests: the JSON beside checkpoint files that says what they hold and the sha256 of every byte.
+"""Manifests: the record beside checkpoint files that says what they hold and the sha256 of every byte.
 
-A manifest is written after the files it describes (it is their commit) and holds
-
-    format          FORMAT; a manifest of another format is refused
-    step            the optimizer step of the checkpoint
-    files           {file name: {"bytes", "records", "other"}}: each file cut into byte ranges with
-                    their sha256 (see tinylm/checkpoint/pieces.py, `Layout.entry`)
-    weights_sha256  the model's identity (`weights_sha256`), the same for any file holding its weights
-    ...             the writer's facts: the run's identity (IDENTITY_KEYS and "config", the
-                    keys that decide the weights), model_config, tokens_seen, ...
-
-Readers check every byte range they read against it; a file without a manifest does not exist
-for them.
+A manifest is written after the files it describes (it is their commit) and read before any of
+their bytes are used; a file without one does not exist for readers. Its one type is `Manifest`
+(its fields say what each entry means); `write_manifest` is its one writer and `read_manifest` its
+one reader, which also reads the files of earlier tinylm versions of this FORMAT (their fields are
+a subset) and refuses other formats. Readers check every byte range they read against `files`.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,51 +31,93 @@ FORMAT = 2  # of checkpoint files and manifests; a checkpoint written in another
 IDENTITY_KEYS = ("seed", "structural_hash", "tokenizer_sha256")
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest at `path`, checked for a files table and this FORMAT; errors name the file."""
+@dataclass
+class Manifest:
+    """What a checkpoint folder's (or a published file's) manifest records; None: not recorded.
+
+    The run's identity (IDENTITY_KEYS and `config`) is the same in every manifest of a run; a resume
+    must match it (tinylm/pretrain/resume.py) and a checkpoint folder holds one identity
+    (tinylm/checkpoint/published.py). `tokenizer_path`, the execution facts and the step's facts
+    are not identity."""
+
+    # The commit
+    format: int = FORMAT  # a manifest of another format is refused
+    step: int | None = None  # the optimizer step of the checkpoint
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> bytes, records, other
+    weights_sha256: str | None = None  # the weights' identity, the same in any file that holds them
+    contents: str | None = None  # a published file's: "full" (with the optimizer state) or "weights"
+    # The run's identity
+    seed: int | None = None
+    structural_hash: str | None = None  # of the model config: what the tensors' shapes depend on
+    tokenizer_sha256: str | None = None  # of the tokenizer file the run was trained with
+    config: dict[str, dict[str, Any]] | None = None  # the keys that decide the weights (weight_config)
+    # How the run executed, and what made its numbers (none of it changes the math)
+    tokenizer_path: str | None = None  # where the tokenizer of tokenizer_sha256 was, at training time
+    world_size: int | None = None
+    threads_per_rank: int | None = None
+    grad_accum_steps: int | None = None
+    torch_version: str | None = None
+    machine: dict[str, Any] | None = None  # tinylm.precision.machine of rank 0
+    # The step
+    model_config: dict[str, Any] | None = None  # the Transformer's constructor arguments
+    tokens_seen: int | None = None
+    train_seconds: float | None = None  # training wall time up to this step, over every resume
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields that are recorded (not None), as plain JSON data."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_json(cls, data: Any, path: str | os.PathLike) -> Manifest:
+        """A manifest from its JSON data, checked for a files table and this FORMAT; entries this
+        tinylm does not know (written by a newer one) are left out. Errors name the file."""
+        if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+            raise CheckpointError(f"{path}: manifest has no 'files' table")
+        if data.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{path}: manifest of format {data.get('format')!r}, this tinylm reads format "
+                f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)"
+            )
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """The manifest at `path` (see `Manifest.from_json`); errors name the file."""
     path = Path(path)
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest not found (the checkpoint was never committed)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: manifest is not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: manifest has no 'files' table")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: manifest of format {manifest.get('format')!r}, this tinylm reads format "
-            f"{FORMAT}: write the checkpoint again (delete the state folder to start afresh)"
-        )
-    return manifest
+    return Manifest.from_json(data, path)
 
 
-def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def identity_differences(saved: Manifest, current: Manifest) -> list[tuple[str, Any, Any]]:
     """(key, saved value, current value) for every key of the run's identity in which two manifests
     (or a manifest and a run's identity) differ: IDENTITY_KEYS that either records, then the keys of
-    "config" (see `tinylm.config.weight_config_differences`)."""
+    `config` (see `tinylm.config.weight_config_differences`)."""
     out = [
-        (key, saved.get(key), current.get(key))
+        (key, getattr(saved, key), getattr(current, key))
         for key in IDENTITY_KEYS
-        if (key in saved or key in current) and saved.get(key) != current.get(key)
+        if getattr(saved, key) != getattr(current, key)
     ]
-    saved_config, config = saved.get("config"), current.get("config")
-    if isinstance(saved_config, dict) and isinstance(config, dict):
-        out += weight_config_differences(saved_config, config)
+    if saved.config is not None and current.config is not None:
+        out += weight_config_differences(saved.config, current.config)
     return out
 
 
-def file_entry(manifest: dict[str, Any], name: str, manifest_path: str | os.PathLike) -> dict[str, Any]:
+def file_entry(manifest: Manifest, name: str, manifest_path: str | os.PathLike) -> dict[str, Any]:
     """The manifest's description of the file `name` (for `CheckpointReader`); errors name the manifest."""
-    entry = manifest["files"].get(name)
+    entry = manifest.files.get(name)
     if not isinstance(entry, dict) or not {"bytes", "records", "other"} <= entry.keys():
         raise CheckpointError(f"{manifest_path}: manifest does not describe the file {name}")
     return entry
 
 
-def write_manifest(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
+def write_manifest(path: str | os.PathLike, manifest: Manifest) -> None:
     """Write `manifest` as sorted, indented JSON, atomically: the commit of the files it describes."""
-    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
 
 
 def weights_sha256(model_state: dict[str, torch.Tensor], layout: Layout, hashes: dict[int, str]) -> str:

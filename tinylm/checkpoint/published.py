@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tinylm.checkpoint.file import CheckpointError
-from tinylm.checkpoint.manifest import file_entry, identity_differences, numbered_steps, read_manifest
+from tinylm.checkpoint.manifest import (
+    Manifest,
+    file_entry,
+    identity_differences,
+    numbered_steps,
+    read_manifest,
+)
 from tinylm.checkpoint.pieces import CheckpointReader
 from tinylm.io import sha256_file
 from tinylm.model import RotaryEmbedding, Transformer
@@ -48,12 +54,12 @@ def published_steps(folder: str | os.PathLike) -> list[int]:
     return numbered_steps(folder, _PUBLISHED_FILE, lambda p: p.with_suffix(".json"))
 
 
-def published_manifest(folder: str | os.PathLike, step: int) -> dict[str, Any]:
+def published_manifest(folder: str | os.PathLike, step: int) -> Manifest:
     """The manifest (step_N.json) of published checkpoint `step`."""
     return read_manifest(published_file(folder, step).with_suffix(".json"))
 
 
-def published_run(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
+def published_run(folder: str | os.PathLike) -> dict[int, Manifest]:
     """{step: manifest} of every published step of `folder`, ascending, checked to be one run's.
 
     A folder whose steps belong to several runs (they differ in a key of the run's identity) is a
@@ -78,18 +84,17 @@ def published_run(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
 
 
 def check_tokenizer(
-    manifest: dict[str, Any], tokenizer_path: str | os.PathLike, checkpoint: str | os.PathLike
+    manifest: Manifest, tokenizer_path: str | os.PathLike, checkpoint: str | os.PathLike
 ) -> None:
     """Refuse `tokenizer_path` unless it is the tokenizer file the checkpoint was trained with (the same
     sha256 as the manifest's `tokenizer_sha256`): another one, even of the same vocabulary size,
     would give the model's ids other meanings. A manifest that records no tokenizer is not checked."""
-    recorded = manifest.get("tokenizer_sha256")
+    recorded = manifest.tokenizer_sha256
     if recorded is None:
         return
     actual = sha256_file(tokenizer_path)
     if actual != recorded:
-        trained_with = manifest.get("tokenizer_path")
-        where = f"{trained_with} when it was trained, " if trained_with else ""
+        where = f"{manifest.tokenizer_path} when it was trained, " if manifest.tokenizer_path else ""
         raise CheckpointError(
             f"{tokenizer_path} (sha256 {actual[:12]}...) is not the tokenizer {checkpoint} was trained with "
             f"({where}sha256 {recorded[:12]}...): give that file with --tokenizer"

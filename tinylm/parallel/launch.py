@@ -14,7 +14,7 @@
 Each rank gets `torch.set_num_threads(threads_per_rank)`, its device (`cuda:{local_rank % count}`
 with nccl, the CPU with gloo), a process group whose collectives give up after `timeout_s`, and
 `ctx.store`, the rendezvous store, for waits that are not collectives (long file I/O, see
-tinylm/parallel/heartbeat.py).
+tinylm/pretrain/heartbeat.py).
 Processes started here meet through a file in a fresh temporary folder, so two runs on one machine
 never collide; a MASTER_ADDR/MASTER_PORT passed in or set in the environment is used instead when
 given. A rank that finishes waits at a final barrier for the others before the group is destroyed.
@@ -190,7 +190,7 @@ def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank,
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     # The rendezvous store, made here rather than inside init_process_group, so that the ranks can
-    # also use it for waits that are not collectives (see tinylm/parallel/heartbeat.py).
+    # also use it for waits that are not collectives (see tinylm/pretrain/heartbeat.py).
     store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -31,7 +31,7 @@ State dicts use torch's format, with state keyed by the global parameter index (
 
 - `sharded_state_dict()` (a collective on metadata only) is that dict with this rank's own state
   tensors and, for every other rank's, a tensor on the "meta" device of the right shape and
-  dtype. Checkpoints are written from it (tinylm/state.py), so the whole state never exists on one
+  dtype. Checkpoints are written from it (tinylm/pretrain/state.py), so the whole state never exists on one
   rank.
 - `state_dict()` (a collective) consolidates the real tensors on every rank, tensor by tensor:
   the whole optimizer state on every rank, meant for small models and tests.

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinylm.checkpoint import Manifest
 from tinylm.config import Config
 from tinylm.data import TrainBatches, batch_generator, get_batch, load_tokens, micro_batch_size
 from tinylm.model import Transformer
@@ -55,7 +56,7 @@ class RunSpec:
 
     cfg: Config
     model_config: dict[str, Any]  # Transformer(**model_config)
-    identity: dict[str, Any]  # what a resume must match, written into every manifest
+    identity: Manifest  # what a resume must match and how the run executes: every manifest's start
     train_tokens: str
     valid_tokens: str
     state_dir: str
@@ -69,7 +70,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     set_run_name(spec.run_name)
     train, device, accum = spec.cfg.train, ctx.device, spec.cfg.train.grad_accum_steps
     configure_kernels(device, train.deterministic)
-    rng = seed_everything(train.seed + ctx.rank)
+    seed_everything(train.seed + ctx.rank)
     dtype = resolve_dtype(train.dtype, device)  # the forward pass's autocast dtype
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
@@ -94,7 +95,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, reduce_to=parameter_owners(optimizer))
     local_parameters = held_parameters(optimizer)  # what this rank steps: all, or its ZeRO-1 share
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
-    start = restore_run(ctx, spec.state_dir, model, optimizer, scaler, rng)
+    start = restore_run(ctx, spec.state_dir, model, optimizer, scaler)
     log = TrainingLog(
         ctx, train, model, dtype, start, spec.state_dir, spec.tensorboard_dir, spec.seconds_before
     )
@@ -149,10 +150,9 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
                 model,
                 optimizer,
                 scaler,
-                rng,
                 described={"tokens_seen": tokens_seen, "model_config": spec.model_config},
                 # The manifest, not the checkpoint (which stays byte-identical), records the wall time.
-                manifest={**spec.identity, "train_seconds": log.train_seconds()},
+                manifest=replace(spec.identity, train_seconds=log.train_seconds()),
                 keep=train.keep_checkpoints,
             )
             log.committed(step)

@@ -18,13 +18,12 @@ so the workflow never meets such a folder.)
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from tinylm.checkpoint.file import CheckpointError
-from tinylm.checkpoint.manifest import identity_differences, write_manifest
+from tinylm.checkpoint.manifest import Manifest, identity_differences, read_manifest, write_manifest
 from tinylm.checkpoint.published import (
     PUBLISHED_DIR,
     published_file,
@@ -55,20 +54,20 @@ def republish(state_dir: str | os.PathLike) -> None:
         target.with_suffix(".json").unlink(missing_ok=True)
         fsync_dir(published)
         link_or_copy(step_dir(state_dir, step) / name, target)
-        single = {**manifest, "contents": contents, "files": {target.name: manifest["files"][name]}}
+        single = replace(manifest, contents=contents, files={target.name: manifest.files[name]})
         write_manifest(target.with_suffix(".json"), single)
 
 
-def _contents(published_manifest: Path) -> str | None:
-    """The "contents" of a published manifest; None if it is missing or unreadable (publish it again)."""
+def _contents(path: Path) -> str | None:
+    """The `contents` of a published manifest; None if it is missing or unreadable (publish it again)."""
     try:
-        return json.loads(published_manifest.read_text(encoding="utf-8")).get("contents")
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(path).contents
+    except (OSError, CheckpointError):
         return None
 
 
 def check_checkpoint_dir(
-    checkpoint_dir: str | os.PathLike, identity: dict[str, Any], state_dir: str | os.PathLike
+    checkpoint_dir: str | os.PathLike, identity: Manifest, state_dir: str | os.PathLike
 ) -> None:
     """Refuse to publish the run of `identity` (a manifest, or the run's identity before its first
     commit) into a folder that holds another run's checkpoints: one line naming the folder, the keys

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tinylm.checkpoint import Manifest
 from tinylm.config import Config, config_hash, run_hash, weight_config
 from tinylm.data import load_tokens
 from tinylm.io import sha256_file
@@ -150,15 +151,15 @@ def train(
     state_dir = Path(state_dir)
     train = cfg.train
     model_config = model_config_of(cfg, vocab_size)
-    identity = {
-        "world_size": train.world_size,
-        "threads_per_rank": train.threads_per_rank,
-        "seed": train.seed,
-        "structural_hash": structural_hash(model_config),
-        "tokenizer_sha256": sha256_file(tokenizer_path),
-        "tokenizer_path": str(tokenizer_path),  # not identity: says which file had that sha256
-        "config": weight_config(cfg),
-    }
+    identity = Manifest(  # the run's identity and how it executes: the start of every manifest
+        seed=train.seed,
+        structural_hash=structural_hash(model_config),
+        tokenizer_sha256=sha256_file(tokenizer_path),
+        config=weight_config(cfg),
+        tokenizer_path=str(tokenizer_path),
+        world_size=train.world_size,
+        threads_per_rank=train.threads_per_rank,
+    )
     backend, note = resolve_backend(train.backend, train.world_size)
     if note:
         log_line(is_rank0, note)
@@ -172,17 +173,17 @@ def train(
             steps = committed_steps(state_dir)
             newest = (steps[-1], step_manifest(state_dir, steps[-1])) if steps else None
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
-        manifest = newest[1] if newest else {}
+        manifest = newest[1] if newest else Manifest()
         if newest:
-            train_seconds = float(manifest.get("train_seconds", 0.0))
+            train_seconds = manifest.train_seconds or 0.0
             check_resumable(manifest, identity, state_dir)
             _say_resume(is_rank0, manifest, train, state_dir, checkpoint_dir)
         if is_rank0:
             check_checkpoint_dir(checkpoint_dir, identity, state_dir)
         if not newest or newest[0] < train.max_iters:
             device = run_device(backend, train.world_size)
-            cfg = plan_run(cfg, vocab_size, device, is_rank0, manifest.get("grad_accum_steps"))
-            identity["grad_accum_steps"] = cfg.train.grad_accum_steps
+            cfg = plan_run(cfg, vocab_size, device, is_rank0, manifest.grad_accum_steps)
+            identity.grad_accum_steps = cfg.train.grad_accum_steps
             spec = RunSpec(
                 cfg=cfg,
                 model_config=model_config,
@@ -228,9 +229,9 @@ def _warn_if_oversubscribed(is_rank0: bool, train) -> None:
         )
 
 
-def _say_resume(is_rank0: bool, manifest: dict, train, state_dir: Path, checkpoint_dir) -> None:
+def _say_resume(is_rank0: bool, manifest: Manifest, train, state_dir: Path, checkpoint_dir) -> None:
     """One line: the run resumes from its newest committed step, or is finished and only publishes."""
-    step, world_size = manifest["step"], train.world_size
+    step, world_size = manifest.step, train.world_size
     if step >= train.max_iters:
         log_line(
             is_rank0,
@@ -239,9 +240,9 @@ def _say_resume(is_rank0: bool, manifest: dict, train, state_dir: Path, checkpoi
         )
         return
     note = ""
-    if manifest.get("world_size") != world_size:
+    if manifest.world_size != world_size:
         note = (
-            f" (written at world size {manifest.get('world_size')}, continued at {world_size}: the "
+            f" (written at world size {manifest.world_size}, continued at {world_size}: the "
             f"same batches, equal to an uninterrupted run within float rounding, not bit for bit)"
         )
     log_line(is_rank0, f"resuming from step {step} in {state_dir}{note}")

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from tinylm.checkpoint.file import REQUIRED_KEYS, CheckpointError, check_plain
 from tinylm.checkpoint.manifest import (
     FORMAT,
+    Manifest,
     file_entry,
     read_manifest,
     weights_sha256,
@@ -64,7 +66,7 @@ def save_step(
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     entries: dict[str, Any] | None = None,
     per_rank: dict[str, Any] | None = None,
     keep: int = 2,
@@ -116,13 +118,13 @@ def save_step(
         step,
         {CHECKPOINT: checkpoint, WEIGHTS: weights},
         writer_of,
-        {**manifest, "world_size": world_size},
+        replace(manifest, world_size=world_size),
         keep,
     )
 
 
 def commit(
-    state_dir: str | os.PathLike, step: int, payload: dict[str, Any], manifest: dict[str, Any], keep: int = 2
+    state_dir: str | os.PathLike, step: int, payload: dict[str, Any], manifest: Manifest, keep: int = 2
 ) -> Path:
     """One process: commit `payload` (a full checkpoint dict) as `step`; see `save_step`.
 
@@ -143,7 +145,7 @@ def _commit_files(
     step: int,
     files: dict[str, Any],
     writer_of,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     keep: int,
 ) -> Path:
     """Write `files` ({name: payload}) of a step folder from every rank, then (rank 0) commit it.
@@ -185,15 +187,11 @@ def _commit_files(
                     merged[name].update({int(offset): sha for offset, sha in by_offset.items()})
             fsync_dir(folder)
             described = {name: layouts[name].entry(merged[name]) for name in files}
-            manifest = {
-                **manifest,
-                "format": FORMAT,
-                "step": step,
-                "torch_version": torch.__version__,
-                "files": described,
-            }
+            manifest = replace(
+                manifest, format=FORMAT, step=step, torch_version=torch.__version__, files=described
+            )
             if "model" in files.get(WEIGHTS, {}):
-                manifest["weights_sha256"] = weights_sha256(
+                manifest.weights_sha256 = weights_sha256(
                     files[WEIGHTS]["model"], layouts[WEIGHTS], merged[WEIGHTS]
                 )
             write_manifest(folder / MANIFEST, manifest)
@@ -223,7 +221,7 @@ def _prune(state_dir: Path, keep: int) -> None:
 CORRUPT_SUFFIX = ".corrupt"  # a committed step found corrupt is renamed step_NNNNNNN.corrupt, kept
 
 
-def verify_step(state_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+def verify_step(state_dir: str | os.PathLike, step: int) -> Manifest:
     """The manifest of committed `step`, once every byte of its files has been checked against it;
     a CheckpointError (or OSError) naming the file and what is wrong otherwise."""
     folder = step_dir(Path(state_dir), step)
@@ -236,7 +234,7 @@ def verify_step(state_dir: str | os.PathLike, step: int) -> dict[str, Any]:
 
 def newest_intact_step(
     state_dir: str | os.PathLike, say: Callable[[str], None]
-) -> tuple[int, dict[str, Any]] | None:
+) -> tuple[int, Manifest] | None:
     """(step, manifest) of the newest committed step whose files are intact; None if none is committed.
 
     Each corrupt step is reported through `say` in one line. When an older step is intact, the newer

@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
-from tinylm.checkpoint.manifest import numbered_steps, read_manifest
+from tinylm.checkpoint.manifest import Manifest, numbered_steps, read_manifest
 
 MANIFEST = "manifest.json"
 CHECKPOINT = "checkpoint.pt"
@@ -37,6 +36,6 @@ def committed_steps(state_dir: str | os.PathLike) -> list[int]:
     return numbered_steps(state_dir, STEP_DIR, lambda p: p / MANIFEST)
 
 
-def step_manifest(state_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+def step_manifest(state_dir: str | os.PathLike, step: int) -> Manifest:
     """The manifest of committed step `step` (checked: see tinylm/checkpoint/manifest.py)."""
     return read_manifest(step_dir(state_dir, step) / MANIFEST)
