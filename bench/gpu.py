@@ -133,7 +133,8 @@ def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str) -> floa
             }
         }
     ).train
-    plan = plan_memory(dict(shape), train, 1, "cpu")
+    # Planned for this machine's GPU (the loss in a GPU's chunks of rows), as `pretrain` plans it.
+    plan = plan_memory(dict(shape), train, 1, "cuda:0")
     return (plan.total - plan.parts["framework"]) / 2**20
 
 

@@ -5,7 +5,9 @@ action=raise raises a RuntimeError, exit ends the process with FAULT_EXIT_CODE w
 kill sends it SIGKILL, hang sleeps forever; nan and overflow return their name (the caller poisons
 the step). Rank functions of the launcher tests call it directly.
 
-`install()` patches tinylm.pretrain.loop so that a real run fails where TINYLM_FAULT says: the first
+`install()` patches tinylm.pretrain.loop so that a real run fails where TINYLM_FAULT says (each
+name it replaces is checked to be the object it was written for, so a rename there fails loudly
+rather than disarming the patch): the first
 micro-batch of update S + 1 (0-based step S) on rank R calls `maybe_inject_fault`, and for nan the
 loss of that update's training forwards becomes NaN, for overflow their gradient is multiplied by
 2**100 in backward (finite in float32, an overflow in float16). TINYLM_PARAM_DTYPE=float64 makes
@@ -93,17 +95,34 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def _original(owner, name: str, expected):
+    """`owner.name`, checked to be `expected` (the object the patch is written for). A patch set on a
+    name that the module no longer has, or no longer uses for that object, would change nothing and
+    let a fault test pass for the wrong reason: a rename there fails here instead."""
+    value = getattr(owner, name, None)
+    if value is not expected:
+        raise RuntimeError(
+            f"tests/_faults.py: {getattr(owner, '__name__', owner)}.{name} is not {expected!r} any more; "
+            "follow the rename here, or the fault injection would be disarmed"
+        )
+    return value
+
+
 def install() -> None:
     """Patch tinylm.pretrain.loop as TINYLM_FAULT and TINYLM_PARAM_DTYPE say (nothing if neither is set)."""
     import tinylm.pretrain.loop as training
+    from tinylm.data import TrainBatches
+    from tinylm.model import Transformer
+    from tinylm.nn_utils import cross_entropy as ours
 
     if os.environ.get(DTYPE_ENV):
         dtype = getattr(torch, os.environ[DTYPE_ENV])
-        training.Transformer = functools.partial(training.Transformer, dtype=dtype)
+        training.Transformer = functools.partial(_original(training, "Transformer", Transformer), dtype=dtype)
     if not os.environ.get(FAULT_ENV):
         return
     poison: dict[str, str | None] = {"action": None}  # the action of the update in progress
-    get_batch, cross_entropy = training.TrainBatches.get, training.cross_entropy
+    _original(training, "TrainBatches", TrainBatches)
+    get_batch, cross_entropy = TrainBatches.get, _original(training, "cross_entropy", ours)
 
     def get(self, step: int, micro_step: int):
         if micro_step == 0:

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,6 +187,52 @@ def pretrain_ok(data: dict, config: Path, state_dir: Path, fault: str | None = N
     proc = pretrain(data, config, state_dir, fault)
     assert proc.returncode == 0, proc.stderr
     return proc.stderr
+
+
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (1, 4)]  # (world_size, grad_accum_steps) at batch_size 8
+
+
+def train_float64_layouts(
+    data: dict, folder: Path, layouts=LAYOUTS, model: dict | None = None, train: dict | None = None
+) -> list[dict]:
+    """The final checkpoint of the tiny config (with `model` and `train` keys over it) trained for 6
+    steps at each (world_size, grad_accum_steps) layout, with float64 parameters and optimizer state
+    (tests/_faults.py); in layout order. One subprocess trains them all in turn: train() in-process
+    sets torch's global switches."""
+    configs = []
+    for world_size, accum in layouts:
+        path = write_tiny_config(
+            folder / f"ws{world_size}_a{accum}.yaml",
+            model=model or {},
+            train={**(train or {}), "world_size": world_size, "grad_accum_steps": accum, "max_iters": 6},
+        )
+        configs.append((str(path), str(folder / f"state_{world_size}_{accum}")))
+    script = textwrap.dedent(f"""
+        from tinylm.config import load_config
+        from tinylm.pretrain import train
+        data = {json.dumps({k: str(v) for k, v in data.items()})}
+        for config, state in {configs!r}:
+            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
+                  state + "_ckpt")
+    """)
+    env = fault_env(dict(os.environ), param_dtype="float64")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [final_payload(Path(state)) for _, state in configs]
+
+
+def assert_layouts_agree(finals: list[dict], layouts=LAYOUTS, tolerance: float = 1e-10) -> None:
+    """Every layout's weights equal the first layout's to `tolerance` (float64: rounding is negligible)."""
+    reference = finals[0]["model"]
+    assert reference["lm_head.weight"].dtype == torch.float64
+    for (world_size, accum), final in zip(layouts[1:], finals[1:], strict=True):
+        for name, tensor in final["model"].items():
+            diff = (tensor - reference[name]).abs().max().item()
+            assert diff < tolerance, (
+                f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
+            )
 
 
 def logged_losses(stderr: str) -> dict[int, str]:

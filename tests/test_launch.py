@@ -257,3 +257,18 @@ def test_torchrun_gives_the_same_result_as_spawn(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_fault_patches_refuse_a_loop_whose_names_changed(monkeypatch):
+    """A fault test must not pass because its patch went nowhere: a renamed import in the loop is an error."""
+    import _faults
+
+    import tinylm.pretrain.loop as training
+
+    monkeypatch.setenv(FAULT_ENV, "rank=0,step=1,action=nan")
+    monkeypatch.setattr(training, "cross_entropy", lambda logits, targets: logits.sum())  # not ours any more
+    with pytest.raises(RuntimeError, match=r"tinylm.pretrain.loop.cross_entropy is not .* any more"):
+        _faults.install()
+    monkeypatch.delattr(training, "cross_entropy")  # the name gone, as after a rename
+    with pytest.raises(RuntimeError, match="follow the rename here"):
+        _faults.install()

@@ -3,20 +3,26 @@ same float64 weights with every option on, a killed run with every option (dropo
 resumes bit for bit, Muon trains a tied model with value embeddings, and evaluate and sample read
 such checkpoints (evaluate's loss against a brute-force loss of the loaded model)."""
 
-import json
 import math
 import os
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _faults import fault_env
-from helpers import ROOT, assert_same, final_payload, logged_losses, pretrain, pretrain_ok, write_tiny_config
+from helpers import (
+    ROOT,
+    assert_layouts_agree,
+    assert_same,
+    final_payload,
+    logged_losses,
+    pretrain,
+    pretrain_ok,
+    train_float64_layouts,
+    write_tiny_config,
+)
 
 from tinylm.checkpoint import load_model
 from tinylm.generate import generate_reference
@@ -39,43 +45,12 @@ OPTIONS = dict(
 @pytest.mark.slow
 def test_every_layout_trains_the_same_float64_weights_with_every_option(tiny_data, tmp_path):
     layouts = [(1, 1), (2, 1), (1, 4)]  # (world_size, grad_accum_steps) at batch 8
-    configs = []
-    for world_size, accum in layouts:
-        path = write_tiny_config(
-            tmp_path / f"ws{world_size}_a{accum}.yaml",
-            model=OPTIONS,
-            train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6, "schedule": "wsd"},
-        )
-        configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
-    script = textwrap.dedent(f"""
-        from tinylm.config import load_config
-        from tinylm.pretrain import train
-        data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
-        for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
-                  state + "_ckpt")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=fault_env(dict(os.environ), param_dtype="float64"),
-    )
-    assert proc.returncode == 0, proc.stderr
-    finals = [final_payload(Path(state))["model"] for _, state in configs]
-    reference = finals[0]
-    tables = [name for name in reference if "value_embedding" in name]
-    assert tables and reference["lm_head.weight"].dtype == torch.float64
+    finals = train_float64_layouts(tiny_data, tmp_path, layouts, model=OPTIONS, train={"schedule": "wsd"})
+    reference = finals[0]["model"]
+    assert [name for name in reference if "value_embedding" in name]
     assert "token_embeddings.weight" in reference  # tied: saved under both names, one tensor
     assert reference["layers.0.ffn.w_out.weight"].abs().max() > 0  # zero-initialised, then trained
-    for (world_size, accum), final in zip(layouts[1:], finals[1:], strict=True):
-        for name, tensor in final.items():
-            diff = (tensor - reference[name]).abs().max().item()
-            assert diff < 1e-10, (
-                f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
-            )
+    assert_layouts_agree(finals, layouts)
 
 
 @pytest.fixture(scope="module")

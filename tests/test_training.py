@@ -7,21 +7,21 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _faults import fault_env
 from helpers import (
+    assert_layouts_agree,
     assert_same,
     copy_state_up_to,
     final_payload,
     logged_losses,
     pretrain,
     pretrain_ok,
+    train_float64_layouts,
     write_tiny_config,
 )
 
@@ -207,52 +207,15 @@ def test_two_torchrun_agents_equal_mp_spawn(tiny_data, uninterrupted, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # One global batch per step, whatever the world size and accumulation
 
-LAYOUTS = [(1, 1), (2, 1), (2, 2), (1, 4)]  # (world_size, grad_accum_steps), batch_size 8
-
 
 @pytest.mark.slow
 def test_every_world_size_and_accumulation_trains_the_same_float64_weights(tiny_data, tmp_path):
     """In float64 rounding is negligible, so the four layouts must give the same weights (1e-10)."""
-    configs = []
-    for world_size, accum in LAYOUTS:
-        path = write_tiny_config(
-            tmp_path / f"ws{world_size}_a{accum}.yaml",
-            train={"world_size": world_size, "grad_accum_steps": accum, "max_iters": 6},
-        )
-        configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
-    # One subprocess runs all four in turn: train() in-process sets torch's global switches. The
-    # test harness (tests/_faults.py) makes the parameters and optimizer state float64.
-    script = textwrap.dedent(f"""
-        import torch
-        from tinylm.config import load_config
-        from tinylm.pretrain import train
-        data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
-        for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
-                  state + "_ckpt")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=fault_env(dict(os.environ), param_dtype="float64"),
-    )
-    assert proc.returncode == 0, proc.stderr
-    finals = [final_payload(Path(state))["model"] for _, state in configs]
-    reference = finals[0]
-    assert reference["lm_head.weight"].dtype == torch.float64
-    moved = (
-        reference["lm_head.weight"] - final_payload(Path(configs[0][1]), 4)["model"]["lm_head.weight"]
-    ).abs()
-    assert moved.max() > 1e-3  # the weights did change between checkpoints, so agreement means something
-    for (world_size, accum), final in zip(LAYOUTS[1:], finals[1:], strict=True):
-        for name, tensor in final.items():
-            diff = (tensor - reference[name]).abs().max().item()
-            assert diff < 1e-10, (
-                f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
-            )
+    finals = train_float64_layouts(tiny_data, tmp_path)
+    early = final_payload(tmp_path / "state_1_1", 4)["model"]["lm_head.weight"]
+    # The weights did change between checkpoints, so agreement means something.
+    assert (finals[0]["model"]["lm_head.weight"] - early).abs().max() > 1e-3
+    assert_layouts_agree(finals)
 
 
 @pytest.fixture(scope="module")

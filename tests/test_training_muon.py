@@ -4,25 +4,21 @@ optimizer is refused, bf16 autocast with torch.compile trains, and TensorBoard g
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _faults import fault_env
 from helpers import (
+    assert_layouts_agree,
     assert_same,
     final_payload,
     logged_losses,
     pretrain,
     pretrain_ok,
     reference_lr,
+    train_float64_layouts,
     write_tiny_config,
 )
 
@@ -125,53 +121,19 @@ def test_a_resume_that_changes_the_optimizer_is_refused(tiny_data, muon_run, tmp
     assert committed_steps(muon_run["state"]) == [8, 12]
 
 
-LAYOUTS = [(1, 1), (2, 1), (2, 2), (1, 4)]  # (world_size, grad_accum_steps), batch_size 8
-
-
 @pytest.mark.slow
 def test_every_world_size_and_accumulation_trains_the_same_float64_weights_with_muon(tiny_data, tmp_path):
     """Float64 parameters and state (Muon's Newton-Schulz itself runs in bfloat16, as torch's does:
     equal inputs give equal bits, so the layouts agree as AdamW's do)."""
-    configs = []
-    for world_size, accum in LAYOUTS:
-        path = write_tiny_config(
-            tmp_path / f"ws{world_size}_a{accum}.yaml",
-            train={**MUON, "world_size": world_size, "grad_accum_steps": accum, "max_iters": 6},
-        )
-        configs.append((str(path), str(tmp_path / f"state_{world_size}_{accum}")))
-    script = textwrap.dedent(f"""
-        import torch
-        from tinylm.config import load_config
-        from tinylm.pretrain import train
-        data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
-        for config, state in {configs!r}:
-            train(load_config(config), data["tokenizer"], data["train"], data["valid"], state,
-                  state + "_ckpt")
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=fault_env(dict(os.environ), param_dtype="float64"),  # float64 parameters (tests/_faults.py)
-    )
-    assert proc.returncode == 0, proc.stderr
-    finals = [final_payload(Path(state)) for _, state in configs]
+    finals = train_float64_layouts(tiny_data, tmp_path, train=MUON)
     reference = finals[0]["model"]
-    assert reference["lm_head.weight"].dtype == torch.float64
     assert finals[0]["optimizer"]["state"][2]["momentum_buffer"].dtype == torch.float64
-    early = final_payload(Path(configs[0][1]), 4)["model"]
+    early = final_payload(tmp_path / "state_1_1", 4)["model"]
     matrix = next(
         name for name, tensor in reference.items() if name.startswith("layers.0.") and tensor.dim() == 2
     )
     assert (reference[matrix] - early[matrix]).abs().max() > 1e-3  # a Muon matrix moved after step 4
-    for (world_size, accum), final in zip(LAYOUTS[1:], finals[1:], strict=True):
-        for name, tensor in final["model"].items():
-            diff = (tensor - reference[name]).abs().max().item()
-            assert diff < 1e-10, (
-                f"world_size={world_size}, grad_accum_steps={accum}: {name} differs by {diff:.1e}"
-            )
+    assert_layouts_agree(finals)
 
 
 @pytest.mark.slow
