@@ -600,8 +600,13 @@ def test_a_run_is_refused_a_checkpoint_folder_of_another_run_before_it_trains(
 ):
     published = uninterrupted["state"].parent / "state_ckpt"
     before = sorted((p.name, p.stat().st_ino) for p in published.iterdir())
-    config = write_tiny_config(tmp_path / "short.yaml", train={"max_iters": 8})
+    # (A config whose tokenizer.vocab_size is not the file's: said in one line, the file's is used.)
+    config = write_tiny_config(tmp_path / "short.yaml", train={"max_iters": 8}, tokenizer={"vocab_size": 512})
     proc = pretrain(tiny_data, config, tmp_path / "state", checkpoint_dir=published)
+    assert (
+        f"[pretrain] {tiny_data['tokenizer']} has 300 tokens, tokenizer.vocab_size is 512: the model takes "
+        "the file's 300" in proc.stderr
+    )
     assert proc.returncode == 1 and "loss" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith(
         f"tinylm pretrain: error: {published}: holds the checkpoints of another run (train.max_iters: 12 "

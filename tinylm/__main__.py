@@ -116,17 +116,19 @@ class Stopped(KeyboardInterrupt):
 
 
 def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
-    """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes."""
-    state_dir = args.state_dir or run_state_dir(cfg)
-    if args.plan or args.plan_device:
-        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
-        return
+    """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes.
+    With --plan or --plan-device, only the plan (see print_memory_plan)."""
     import shlex
     import signal
 
     from tinylm.parallel.launch import is_global_rank0
     from tinylm.pretrain import train
     from tinylm.pretrain.steps import committed_steps
+
+    state_dir = args.state_dir or run_state_dir(cfg)
+    if args.plan or args.plan_device:
+        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
+        return
 
     def on_sigterm(signum, frame):
         raise Stopped()

@@ -143,10 +143,16 @@ def stderr_copied_to(path: str | os.PathLike) -> Iterator[None]:
     original = os.dup(2)
 
     def copy() -> None:
+        terminal = True  # a closed terminal must not stop the log, nor block the writers
         while chunk := os.read(read_end, 1 << 16):
-            os.write(original, chunk)
             log.write(chunk)
             log.flush()
+            rest = memoryview(chunk)
+            while terminal and rest:
+                try:
+                    rest = rest[os.write(original, rest) :]
+                except OSError:
+                    terminal = False
 
     copier = threading.Thread(target=copy, name="stderr-copy", daemon=True)
     copier.start()
