@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from tinylm import evaluate as evaluation
 from tinylm.checkpoint import Manifest
 from tinylm.checkpoint import published as checkpoint_published
-from tinylm.evaluate import evaluate_checkpoints, read_eval, score_tokens, write_eval
+from tinylm.eval_table import notes_path_for, read_eval, write_eval
+from tinylm.evaluate import evaluate_checkpoints, score_tokens
 from tinylm.model import Transformer
 from tinylm.pretrain import state as state_lib
 from tinylm.pretrain.publish import publish as publish_run
@@ -269,7 +270,7 @@ def test_notes_and_plot_are_written_only_when_asked(tmp_path):
     table = evaluate_checkpoints(publish(tmp_path, [1]), tokens, tiny_tokenizer())
     write_eval(table, tmp_path / "out" / "eval.csv", None)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.csv"]
-    assert evaluation.notes_path_for(tmp_path / "out" / "eval.csv") == tmp_path / "out" / "eval_columns.md"
+    assert notes_path_for(tmp_path / "out" / "eval.csv") == tmp_path / "out" / "eval_columns.md"
 
 
 def test_a_rerun_with_nothing_new_reads_no_checkpoint(tmp_path, monkeypatch):
@@ -387,3 +388,11 @@ def test_evaluate_reads_the_weights_only_of_a_100m_parameter_checkpoint(tmp_path
     seconds = time.perf_counter() - began
     assert seconds < 5, f"a rerun with nothing new took {seconds:.1f} s"
     assert list(again["val_loss"].round(6)) == list(first["val_loss"].round(6))
+
+
+def test_an_eval_table_without_its_columns_is_refused_naming_them(tmp_path):
+    (tmp_path / "eval.csv").write_text("step,val_loss\n1,2.0\n")
+    with pytest.raises(
+        ValueError, match=r"eval.csv: lacks the columns \['tokens_seen', 'val_ppl', 'bits_per_byte'"
+    ):
+        read_eval(tmp_path / "eval.csv")

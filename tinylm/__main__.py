@@ -205,7 +205,8 @@ def print_memory_plan(cfg: Config, tokenizer_path: str, state_dir: str, plan_dev
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
-    from tinylm.evaluate import evaluate_checkpoints, notes_path_for, write_eval
+    from tinylm.eval_table import notes_path_for, write_eval
+    from tinylm.evaluate import evaluate_checkpoints
     from tinylm.tokenizer import Tokenizer
 
     e = cfg.evaluate

@@ -44,6 +44,7 @@ from typing import Any
 import pandas as pd
 
 from tinylm.checkpoint import Manifest, published_run
+from tinylm.eval_table import read_eval
 from tinylm.io import atomic_path
 
 COLUMNS = [
@@ -120,10 +121,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
         path = Path(run["eval"])
         if not path.is_file():
             raise FileNotFoundError(f"run {run['name']}: {path} not found (evaluate the run first)")
-        table = pd.read_csv(path)  # a plain CSV (see tinylm.evaluate.write_eval)
-        missing = {"step", "tokens_seen", "val_loss", "bits_per_byte"} - set(table.columns)
-        if missing:
-            raise ValueError(f"run {run['name']}: {path} lacks the columns {sorted(missing)}")
+        try:
+            table = read_eval(path)
+        except ValueError as e:
+            raise ValueError(f"run {run['name']}: {e}") from None
         values = run.get("values") or run.get("overrides") or {}
         first = runs[0].get("values") or runs[0].get("overrides") or {}
         # The first configuration is the reference: it shows every key that differs, the others where

@@ -15,11 +15,11 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
-import pandas as pd
 import torch
 
 from tinylm.checkpoint import load_model
 from tinylm.config import END_OF_TEXT
+from tinylm.eval_table import read_eval
 from tinylm.io import atomic_write_text
 from tinylm.model import Transformer
 from tinylm.nn_utils import softmax
@@ -212,7 +212,7 @@ def write_samples(
         f"top_p {gen_cfg.top_p}, seed {gen_cfg.seed}\n"
     ]
     if eval_path is not None:
-        rows = pd.read_csv(eval_path)  # a plain CSV (see tinylm.evaluate.write_eval)
+        rows = read_eval(eval_path)
         row = rows[rows["step"] == step]
         if row.empty:
             raise ValueError(f"{eval_path}: has no row for step {step}; rerun the evaluate stage")
