@@ -237,7 +237,7 @@ def evaluate_checkpoints(
             file=sys.stderr,
         )
     table = pd.DataFrame(rows, columns=COLUMNS)
-    trained_on = published_manifest(checkpoint_dir, steps[-1]).machine
+    trained_on = manifest.machine  # the newest step's
     table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, trained_on)
     return table
 

@@ -107,6 +107,12 @@ def identity_differences(saved: Manifest, current: Manifest) -> list[tuple[str, 
     return out
 
 
+def describe_differences(differences: list[tuple[str, Any, Any]], saved: str, current: str) -> str:
+    """'key: A <saved>, B <current>; ...' for the first four `identity_differences`, and how many more."""
+    listed = "; ".join(f"{key}: {a!r} {saved}, {b!r} {current}" for key, a, b in differences[:4])
+    return listed + (f" and {len(differences) - 4} more" if len(differences) > 4 else "")
+
+
 def file_entry(manifest: Manifest, name: str, manifest_path: str | os.PathLike) -> dict[str, Any]:
     """The manifest's description of the file `name` (for `CheckpointReader`); errors name the manifest."""
     entry = manifest.files.get(name)

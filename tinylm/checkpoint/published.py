@@ -28,6 +28,7 @@ import torch
 from tinylm.checkpoint.file import CheckpointError
 from tinylm.checkpoint.manifest import (
     Manifest,
+    describe_differences,
     file_entry,
     identity_differences,
     numbered_steps,
@@ -73,9 +74,7 @@ def published_run(folder: str | os.PathLike) -> dict[int, Manifest]:
     for step, manifest in manifests.items():
         differences = identity_differences(manifest, manifests[newest])
         if differences:
-            listed = "; ".join(
-                f"{key}: {a!r} at step {step}, {b!r} at step {newest}" for key, a, b in differences
-            )
+            listed = describe_differences(differences, f"at step {step}", f"at step {newest}")
             raise CheckpointError(
                 f"{folder}: holds the checkpoints of more than one run (steps {step} and {newest} differ "
                 f"in {listed}); a folder must hold one run: train each into its own --checkpoint-dir"

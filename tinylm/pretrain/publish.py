@@ -23,7 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from tinylm.checkpoint.file import CheckpointError
-from tinylm.checkpoint.manifest import Manifest, identity_differences, read_manifest, write_manifest
+from tinylm.checkpoint.manifest import (
+    Manifest,
+    describe_differences,
+    identity_differences,
+    read_manifest,
+    write_manifest,
+)
 from tinylm.checkpoint.published import (
     PUBLISHED_DIR,
     published_file,
@@ -78,10 +84,9 @@ def check_checkpoint_dir(
     newest = max(existing)
     differences = identity_differences(existing[newest], identity)
     if differences:
-        listed = "; ".join(f"{key}: {a!r} there, {b!r} in this run" for key, a, b in differences[:4])
-        more = f" and {len(differences) - 4} more" if len(differences) > 4 else ""
+        listed = describe_differences(differences, "there", "in this run")
         raise CheckpointError(
-            f"{checkpoint_dir}: holds the checkpoints of another run ({listed}{more}); they are left as "
+            f"{checkpoint_dir}: holds the checkpoints of another run ({listed}); they are left as "
             f"they are: publish this run into a folder of its own with --checkpoint-dir, or move "
             f"{checkpoint_dir} away (this run's state is in {state_dir})"
         )
