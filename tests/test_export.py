@@ -314,6 +314,7 @@ def option_model(**options) -> Transformer:
 
 EXPORTABLE = [
     {"tie_embeddings": True},
+    {"mlp": "geglu"},
     {"qk_norm": True},
     {"embedding_norm": True},
     {

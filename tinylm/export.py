@@ -29,6 +29,7 @@ The model options (tinylm.model.Transformer) map as follows:
   lookup of the normalised row (with tie_embeddings the folder is then untied: the head keeps the
   plain matrix); float32 only, as a rounded normalised table is not our model with rounded weights;
 - zero_init_output and dropout: nothing (an initialisation; off at inference);
+- mlp geglu: `hidden_act: gelu` (Llama's gated MLP with another activation);
 - mlp relu2, logit_softcap and value_embeddings have no place in a Llama folder: refused.
 
 The <|endoftext|> token, which starts every document after the first, serves as BOS and EOS.
@@ -63,8 +64,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # absolute). A wrong layout is off by O(1).
 PROBE_TEXT = "Hello, world!  It's 2024:\n\n\tnaïve café, 日本語, привет, 🙂👍🏽   spaces\r\n"
 LOGITS_RTOL = 1e-3
-# Model options a Llama (or Qwen3) folder cannot hold, with the value a model must have to be exported.
-UNEXPORTABLE = {"mlp": "swiglu", "logit_softcap": None, "value_embeddings": False}
+# Model options a Llama (or Qwen3) folder holds only at some values: the values it holds (the first
+# is the option's default).
+EXPORTABLE = {"mlp": ("swiglu", "geglu"), "logit_softcap": (None,), "value_embeddings": (False,)}
+# The gated MLP's activation, Llama's `hidden_act` (transformers' ACT2FN: "gelu" is the exact GELU).
+HIDDEN_ACT = {"swiglu": "silu", "geglu": "gelu"}
 
 
 class ExportError(ValueError):
@@ -126,8 +130,8 @@ def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def check_exportable(config: dict[str, Any]) -> None:
     """Refuse a model config with an option that a Llama folder cannot hold, naming the key."""
-    for key, plain in UNEXPORTABLE.items():
-        if config.get(key, plain) != plain:
+    for key, held in EXPORTABLE.items():
+        if config.get(key, held[0]) not in held:
             raise ExportError(
                 f"model.{key}: a Llama folder cannot hold it ({config[key]!r}); export a model without it"
             )
@@ -241,7 +245,7 @@ def hf_configs(model: Transformer, tokenizer: Tokenizer, dtype: str) -> dict[str
         "num_attention_heads": c["num_heads"],
         "num_key_value_heads": c["num_heads"],
         "head_dim": c["d_model"] // c["num_heads"],
-        "hidden_act": "silu",
+        "hidden_act": HIDDEN_ACT[c["mlp"]],
         "max_position_embeddings": c["context_length"],
         "rms_norm_eps": model.ln_final.eps,  # every RMSNorm of the model has this eps
         "rope_theta": c["rope_theta"],

@@ -7,19 +7,14 @@ map of dotted keys to values (`lr3e-3: {train.lr_max: 0.003}`); `run_configs` va
 like the main config, which is itself the run named "default". A top-level `seeds: [0, 1, 2]`
 repeats every run once per seed, as the runs `<run>.s<seed>` (`seed_runs`).
 
-Each key is documented once, here, beside its default (`key(..., help=...)`): config/config.yaml's
+Each key is documented once, beside its default (`key(..., help=...)`, tinylm/keys.py): here, or
+for the model's options in tinylm/model_options.py (`ModelOptions`, which `ModelConfig` extends with
+the model's sizes). config/config.yaml's
 comments and config/README.md's tables are generated from these dataclasses by
 `python -m tinylm config-docs` (tinylm/config/docs.py), and a test fails when they drift.
 """
 
-from tinylm.config.keys import (
-    DEFAULT_VALID_PLAYS,
-    END_OF_TEXT,
-    UINT16_VOCAB_LIMIT,
-    URL_WITH_SHA256,
-    ConfigError,
-    key,
-)
+from tinylm.config.constants import DEFAULT_VALID_PLAYS, END_OF_TEXT, UINT16_VOCAB_LIMIT, URL_WITH_SHA256
 from tinylm.config.loading import from_dict, read_config_file, validate
 from tinylm.config.runs import (
     DEFAULT_RUN,
@@ -53,6 +48,7 @@ from tinylm.config.sections import (
     TokenizerConfig,
 )
 from tinylm.config.train import TrainConfig
+from tinylm.keys import ConfigError, key
 
 __all__ = [
     "DEFAULT_RUN",

@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from tinylm.config.keys import END_OF_TEXT, UINT16_VOCAB_LIMIT, URL_WITH_SHA256, ConfigError
+from tinylm.config.constants import END_OF_TEXT, UINT16_VOCAB_LIMIT, URL_WITH_SHA256
 from tinylm.config.sections import Config
+from tinylm.keys import ConfigError, check_value
 
 
 def _type_name(tp) -> str:
@@ -76,26 +77,6 @@ def _coerce(value: Any, tp, key: str) -> Any:
     return value
 
 
-def _check_range(value: Any, meta: dict, key: str) -> None:
-    if value is None or not meta:
-        return
-    if isinstance(value, str) and meta.get("words"):  # the words a numeric key also takes
-        if value not in meta["words"]:
-            raise ConfigError(f"{key}: {value!r} is not a number nor one of {meta['words']}")
-        return
-    if meta["choices"] is not None and value not in meta["choices"]:
-        raise ConfigError(f"{key}: {value!r} is not one of {meta['choices']}")
-    lo, hi = meta["lo"], meta["hi"]
-    if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
-        raise ConfigError(
-            f"{key}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})"
-        )
-    if hi is not None and (value >= hi if meta["hi_open"] else value > hi):
-        raise ConfigError(
-            f"{key}: {value!r} is out of range (must be {'<' if meta['hi_open'] else '<='} {hi})"
-        )
-
-
 def _build_section(cls, raw: Any, name: str):
     if raw is None:
         raw = {}
@@ -110,7 +91,7 @@ def _build_section(cls, raw: Any, name: str):
     for key, value in raw.items():
         full = f"{name}.{key}"
         values[key] = _coerce(value, hints[key], full)
-        _check_range(values[key], dict(fields[key].metadata), full)
+        check_value(values[key], fields[key], full)
     return cls(**values)
 
 
@@ -186,11 +167,7 @@ def validate(cfg: Config) -> None:
                 f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
                 f"parameter at train.lr_max); set it to null or set train.optimizer: muon"
             )
-    if model.value_embeddings and model.num_layers < 2:
-        raise ConfigError(
-            f"model.value_embeddings: needs model.num_layers >= 2 (every other layer gets a table, "
-            f"the last one included), got {model.num_layers}"
-        )
+    model.check(model.num_layers, prefix="model.")
     if model.tie_embeddings and train.head_lr is not None:
         raise ConfigError(
             "train.head_lr: with model.tie_embeddings the head is the token embedding matrix, which "

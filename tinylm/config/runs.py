@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tinylm.config.keys import ConfigError
 from tinylm.config.loading import from_dict, read_config_file
 from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
+from tinylm.keys import ConfigError
 
 DEFAULT_RUN = "default"
 RESULTS = "results"  # where the workflow and the stages put their artifacts, relative to the project
@@ -181,7 +181,7 @@ EXECUTION_TRAIN_KEYS = _keys_with(TrainConfig, "execution")
 
 def weight_config(cfg: Config) -> dict[str, Any]:
     """The model and train keys that decide the trained weights: every key of the two sections but
-    the execution keys and the keys whose `applies_if` condition does not hold (tinylm/config/keys.py)."""
+    the execution keys and the keys whose `applies_if` condition does not hold (tinylm/keys.py)."""
     return {name: _deciding(getattr(cfg, name)) for name in ("model", "train")}
 
 

@@ -6,8 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinylm.config.keys import DEFAULT_VALID_PLAYS, END_OF_TEXT, key
+from tinylm.config.constants import DEFAULT_VALID_PLAYS, END_OF_TEXT
 from tinylm.config.train import TrainConfig
+from tinylm.keys import key
+from tinylm.model_options import ModelOptions
 
 
 @dataclass
@@ -121,9 +123,9 @@ class EncodeConfig:
     )
 
 
-@dataclass
-class ModelConfig:
-    """Transformer (pre-norm, RMSNorm, RoPE, SwiGLU, untied head; options below); changing any key retrains"""
+@dataclass(frozen=True)
+class ModelShape:
+    """The Transformer's sizes (the vocabulary's is `tokenizer.vocab_size`)."""
 
     context_length: int = key(
         128,
@@ -143,62 +145,14 @@ class ModelConfig:
     rope_theta: float = key(
         10000.0, lo=0.0, lo_open=True, help="base of the rotary position embedding (RoPE)"
     )
-    # Recipe options from small-model pretraining work; at their defaults the model is the plain one.
-    qk_norm: bool = key(
-        False,
-        help="QK-norm: RMSNorm of each head's queries and keys before RoPE (OLMo 2, Qwen3, nanochat)",
-        more="Its learned gains have the head size `d_model / num_heads`. Exported as a Qwen3 folder",
-    )
-    mlp: str = key(
-        "swiglu",
-        choices=["swiglu", "relu2"],
-        help="`swiglu` | `relu2`: the MLP of each block",
-        more="`relu2`: w_out(relu(w_in x)^2) (Primer, So et al. 2021; the nanoGPT speedrun, nanochat) of "
-        "hidden width 3/2 `d_ff` (rounded up): two matrices with the parameters and FLOPs of SwiGLU's "
-        "three at `d_ff`. A Hugging Face Llama folder cannot hold it",
-    )
-    logit_softcap: float | None = key(
-        None,
-        lo=0.0,
-        lo_open=True,
-        help="cap c > 0: logits = c * tanh(logits / c) (Gemma 2; nanochat uses 15); `null` = none",
-        more="The loss, evaluation and sampling all see the capped logits. A Hugging Face Llama folder "
-        "cannot hold it",
-    )
-    zero_init_output: bool = key(
-        False,
-        help="attention output and MLP down projections start at zero (nanoGPT speedrun, nanochat)",
-        more="They are drawn as usual, then zeroed: every other parameter starts as without the option",
-    )
-    tie_embeddings: bool = key(
-        False,
-        help="the output head is the token embedding matrix (Press & Wolf 2017)",
-        more="One parameter, which starts with the head's initialisation, std sqrt(2 / (d_model + "
-        "vocab_size)), not the embedding's std 1 (that would give huge initial logits); `train.head_lr` "
-        "must be null. Exported with `tie_word_embeddings: true`",
-    )
-    value_embeddings: bool = key(
-        False,
-        help="every other layer (the last one included) adds a table of the token ids to its values",
-        more="(nanoGPT speedrun, nanochat): v <- v + g * table[ids], each such layer with its own "
-        "`vocab_size x d_model` table and learned scalar g (starts at 0.5). Needs `num_layers` >= 2. A "
-        "Hugging Face Llama folder cannot hold it",
-    )
-    dropout: float = key(
-        0.0,
-        lo=0.0,
-        hi=1.0,
-        hi_open=True,
-        help="dropout on the attention probabilities and each residual branch, in training only",
-        more="(0 <= x < 1). The masks come from each rank's generator (seeded `seed + rank`), so with "
-        "dropout another world size, accumulation or `train.compile` draws other masks and reaches "
-        "other weights; a resume at the same world size stays bit-identical",
-    )
-    embedding_norm: bool = key(
-        False,
-        help="RMSNorm (learned gain) of the token embeddings before the first block (nanochat)",
-        more="Exported (in float32) folded into the embedding table: a lookup of normalised rows",
-    )
+
+
+@dataclass(frozen=True)
+class ModelConfig(ModelOptions, ModelShape):
+    """Transformer (pre-norm, RMSNorm, RoPE, SwiGLU, untied head; options below); changing any key retrains
+
+    The sizes (ModelShape), then the recipe options, declared once in tinylm/model_options.py.
+    """
 
 
 @dataclass

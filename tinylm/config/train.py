@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinylm.config.keys import key
+from tinylm.keys import key
 
 
 @dataclass

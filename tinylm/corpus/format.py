@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import BinaryIO
 
-from tinylm.config.keys import END_OF_TEXT
+from tinylm.config.constants import END_OF_TEXT
 
 __all__ = ["END_OF_TEXT", "CorpusError", "Writer"]
 

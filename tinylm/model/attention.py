@@ -25,6 +25,7 @@ from torch import nn
 
 from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from tinylm.model_options import NO_OPTIONS, ModelOptions
 from tinylm.nn_utils import softmax
 
 
@@ -92,14 +93,15 @@ class CausalSelfAttention(nn.Module):
     With `kv_cache`, x holds positions kv_cache.length .. kv_cache.length + T - 1, and this layer
     (number `layer`) appends their keys and values to the cache.
 
-    Options, all off by default (then there are no parameters beyond the two projections):
+    What `options` (ModelOptions) say of attention, all off by default (then there are no parameters
+    beyond the two projections):
     - qk_norm: q_norm and k_norm, RMSNorms with a learned gain [d_head], normalise each head's
       queries and keys [B, H, T, d_head] before RoPE;
-    - vocab_size: a value-embedding table value_embedding [vocab_size, d_model] and a learned scalar
-      value_gate (initialised to 0.5): v <- v + value_gate * value_embedding(token_ids), the
-      [B, T, d_model] rows split into heads like v [B, H, T, d_head]; forward then needs token_ids
-      [B, T], the ids of the positions of x;
     - dropout: the probability of zeroing an attention probability, in training mode only.
+    And value_vocab_size (this layer's part of the option value_embeddings): a value-embedding table
+    value_embedding [value_vocab_size, d_model] and a learned scalar value_gate (initialised to 0.5):
+    v <- v + value_gate * value_embedding(token_ids), the [B, T, d_model] rows split into heads like
+    v [B, H, T, d_head]; forward then needs token_ids [B, T], the ids of the positions of x.
     """
 
     def __init__(
@@ -108,9 +110,8 @@ class CausalSelfAttention(nn.Module):
         num_heads: int,
         rope: RotaryEmbedding | None = None,
         use_fast_attention: bool = True,
-        qk_norm: bool = False,
-        vocab_size: int | None = None,
-        dropout: float = 0.0,
+        options: ModelOptions = NO_OPTIONS,
+        value_vocab_size: int | None = None,
         device=None,
         dtype=None,
     ):
@@ -122,18 +123,18 @@ class CausalSelfAttention(nn.Module):
         self.d_head = d_model // num_heads
         self.rope = rope
         self.use_fast_attention = use_fast_attention
-        self.dropout = dropout
+        self.dropout = options.dropout
         self.qkv_proj = Linear(d_model, 3 * d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.q_norm = self.k_norm = None
-        if qk_norm:
+        if options.qk_norm:
             # QK-norm (Henry et al. 2020; as in OLMo 2, Qwen3, nanochat and the nanoGPT speedrun).
             self.q_norm = RMSNorm(self.d_head, device=device, dtype=dtype)
             self.k_norm = RMSNorm(self.d_head, device=device, dtype=dtype)
         self.value_embedding = self.value_gate = None
-        if vocab_size is not None:
+        if value_vocab_size is not None:
             # Value embeddings (modded-nanogpt speedrun, nanochat; cf. ResFormer, Zhou et al. 2024).
-            self.value_embedding = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+            self.value_embedding = Embedding(value_vocab_size, d_model, device=device, dtype=dtype)
             self.value_gate = nn.Parameter(torch.full((), 0.5, device=device, dtype=dtype))
 
     def forward(

@@ -96,6 +96,14 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GEGLU(SwiGLU):
+    """SwiGLU with the exact GELU for SiLU (Shazeer 2020, "GLU Variants Improve Transformer"):
+    w2( gelu(w1 x) * w3 x ), the same weights and shapes. forward: [..., d_model] -> [..., d_model]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)) * self.w3(x))
+
+
 # Primer (So et al. 2021, "Searching for Efficient Transformers"); the nanoGPT speedrun and nanochat use it.
 class ReLUSquared(nn.Module):
     """The ReLU-squared feed-forward network: w_out( relu(w_in x)^2 ).

@@ -8,7 +8,9 @@ inside attention; the output head is not tied to the embeddings (unless tie_embe
 Recipe options from recent small-model pretraining work (the nanoGPT speedrun, nanochat, OLMo 2,
 Gemma 2), each off by default; with all of them off the model is the one above, parameter for
 parameter and draw for draw: qk_norm, mlp="relu2", logit_softcap, zero_init_output,
-tie_embeddings, value_embeddings, dropout and embedding_norm (see Transformer).
+tie_embeddings, value_embeddings, dropout and embedding_norm. They are declared once, in
+tinylm/model_options.py (`ModelOptions`: default, explanation, rules); the Transformer takes them
+as keywords and its layers get the one object.
 
 For generation, `forward(ids, kv_cache=cache)` runs only the new positions and keeps the keys and
 values of the earlier ones in a KVCache (see kv_cache.py); training never passes one.
@@ -16,6 +18,7 @@ values of the earlier ones in a KVCache (see kv_cache.py); training never passes
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -24,11 +27,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tinylm.model.attention import CausalSelfAttention
 from tinylm.model.kv_cache import KVCache
-from tinylm.model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
+from tinylm.model.layers import GEGLU, Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
+from tinylm.model_options import NO_OPTIONS, OPTION_NAMES, ModelOptions
 from tinylm.nn_utils import softcap
-
-MLP_CHOICES = ("swiglu", "relu2")
-
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see Transformer.set_activation_checkpointing
 
@@ -42,28 +43,15 @@ def relu2_hidden_width(d_ff: int) -> int:
     return (3 * d_ff + 1) // 2
 
 
-def check_options(
-    num_layers: int, mlp: str, logit_softcap: float | None, value_embeddings: bool, dropout: float
-) -> None:
-    """Refuse option values the model cannot be built with; the message names the key."""
-    if mlp not in MLP_CHOICES:
-        raise ValueError(f"mlp: {mlp!r} is not one of {list(MLP_CHOICES)}")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap: {logit_softcap!r} must be > 0 (or None: no cap)")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout: {dropout!r} must be in [0, 1)")
-    if value_embeddings and num_layers < 2:
-        raise ValueError(f"value_embeddings: needs num_layers >= 2 (got {num_layers})")
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: causal self-attention then the MLP, each with a residual. [B, T, d_model] -> same.
 
-    mlp: "swiglu" (SwiGLU of width d_ff) or "relu2" (ReLUSquared of width relu2_hidden_width(d_ff)).
-    dropout: on each residual branch's output (and on the attention probabilities), in training
-    mode only. zero_init_output: the attention output projection and the MLP's down projection
-    start at zero. vocab_size: give this block value embeddings (see CausalSelfAttention); forward
-    then needs the token ids [B, T] of x's positions.
+    From `options` (ModelOptions): mlp, "swiglu" (SwiGLU of width d_ff), "geglu" (GEGLU, likewise)
+    or "relu2" (ReLUSquared of width relu2_hidden_width(d_ff)); dropout on each residual branch's
+    output (and on the attention probabilities), in training mode only; zero_init_output, the
+    attention output projection and the MLP's down projection start at zero; qk_norm (see
+    CausalSelfAttention). value_vocab_size: give this block value embeddings of that many rows (see
+    CausalSelfAttention); forward then needs the token ids [B, T] of x's positions.
     """
 
     def __init__(
@@ -72,11 +60,8 @@ class TransformerBlock(nn.Module):
         num_heads: int,
         d_ff: int,
         rope: RotaryEmbedding | None = None,
-        qk_norm: bool = False,
-        mlp: str = "swiglu",
-        zero_init_output: bool = False,
-        vocab_size: int | None = None,
-        dropout: float = 0.0,
+        options: ModelOptions = NO_OPTIONS,
+        value_vocab_size: int | None = None,
         device=None,
         dtype=None,
     ):
@@ -86,21 +71,21 @@ class TransformerBlock(nn.Module):
             d_model,
             num_heads,
             rope=rope,
-            qk_norm=qk_norm,
-            vocab_size=vocab_size,
-            dropout=dropout,
+            options=options,
+            value_vocab_size=value_vocab_size,
             device=device,
             dtype=dtype,
         )
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
-        if mlp == "swiglu":
-            self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        if options.mlp in ("swiglu", "geglu"):
+            gated = SwiGLU if options.mlp == "swiglu" else GEGLU
+            self.ffn = gated(d_model, d_ff, device=device, dtype=dtype)
             down_proj = self.ffn.w2
         else:
             self.ffn = ReLUSquared(d_model, relu2_hidden_width(d_ff), device=device, dtype=dtype)
             down_proj = self.ffn.w_out
-        self.dropout = nn.Dropout(dropout)
-        if zero_init_output:
+        self.dropout = nn.Dropout(options.dropout)
+        if options.zero_init_output:
             # Zero-init of the residual branches' last projections (nanoGPT speedrun, nanochat; muP).
             # Drawn as usual first, then zeroed: every other parameter starts as without the option.
             nn.init.zeros_(self.attn.output_proj.weight)
@@ -128,10 +113,13 @@ class Transformer(nn.Module):
     `model.config` holds the constructor's values, so `Transformer(**model.config)` rebuilds the same
     architecture (e.g. from a checkpoint). One RotaryEmbedding (cos/sin cache) is shared by all layers.
 
-    Options (all off by default, and then the model is exactly the plain one):
+    Options, keywords that are the fields of ModelOptions (tinylm/model_options.py, where each is
+    declared with its default and rules; `model.options` holds them), all off by default, and then
+    the model is exactly the plain one:
     - qk_norm: RMSNorm (learned gain [d_head]) of each head's queries and keys, before RoPE;
-    - mlp: "swiglu" or "relu2", the ReLU² MLP w_out(relu(w_in x)^2) of hidden width 3/2 d_ff
-      (rounded up), as many parameters and FLOPs as the SwiGLU of width d_ff;
+    - mlp: "swiglu", "geglu" (gelu for silu, the same weights) or "relu2", the ReLU² MLP
+      w_out(relu(w_in x)^2) of hidden width 3/2 d_ff (rounded up), as many parameters and FLOPs as
+      the SwiGLU of width d_ff;
     - logit_softcap: logits = cap * tanh(logits / cap), so every consumer sees capped logits
       (computed in at least float32, returned in the logits' dtype); must be > 0 when set;
     - zero_init_output: each block's attention output projection and MLP down projection start at 0;
@@ -162,30 +150,32 @@ class Transformer(nn.Module):
         num_heads: int,
         d_ff: int,
         rope_theta: float = 10000.0,
-        qk_norm: bool = False,
-        mlp: str = "swiglu",
-        logit_softcap: float | None = None,
-        zero_init_output: bool = False,
-        tie_embeddings: bool = False,
-        value_embeddings: bool = False,
-        dropout: float = 0.0,
-        embedding_norm: bool = False,
+        *,
         device=None,
         dtype=None,
+        **options,
     ):
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
-        check_options(num_layers, mlp, logit_softcap, value_embeddings, dropout)
-        # Every constructor argument but device and dtype: Transformer(**model.config) rebuilds it.
-        self.config = {name: value for name, value in locals().items() if name in Transformer.CONFIG_KEYS}
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(
+                f"Transformer: unknown option {unknown[0]!r} (the options: {', '.join(OPTION_NAMES)})"
+            )
+        self.options = ModelOptions(**options)
+        self.options.check(num_layers)
+        # Every architecture argument, options included: Transformer(**model.config) rebuilds it.
+        shape = dict(vocab_size=vocab_size, context_length=context_length, d_model=d_model)
+        shape.update(num_layers=num_layers, num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta)
+        self.config = {**shape, **dataclasses.asdict(self.options)}
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.logit_softcap = logit_softcap
+        self.logit_softcap = self.options.logit_softcap
 
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
         self.embedding_norm = None
-        if embedding_norm:
+        if self.options.embedding_norm:
             # RMSNorm right after the embedding lookup, as nanochat does.
             self.embedding_norm = RMSNorm(d_model, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(rope_theta, d_model // num_heads, context_length, device=device)
@@ -195,11 +185,8 @@ class Transformer(nn.Module):
                 num_heads,
                 d_ff,
                 rope=self.rope,
-                qk_norm=qk_norm,
-                mlp=mlp,
-                zero_init_output=zero_init_output,
-                vocab_size=vocab_size if value_embeddings and i % 2 == (num_layers - 1) % 2 else None,
-                dropout=dropout,
+                options=self.options,
+                value_vocab_size=vocab_size if self.options.has_value_embeddings(i, num_layers) else None,
                 device=device,
                 dtype=dtype,
             )
@@ -207,7 +194,7 @@ class Transformer(nn.Module):
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
-        if tie_embeddings:
+        if self.options.tie_embeddings:
             # Tied input and output embeddings (Press & Wolf 2017); the head's init, see above.
             self.token_embeddings.weight = self.lm_head.weight
         self.recomputed_layers: frozenset[int] = frozenset()  # see set_activation_checkpointing
@@ -294,10 +281,8 @@ class Transformer(nn.Module):
         return total
 
 
-# The constructor's architecture arguments (all but device and dtype): the keys of `model.config`;
-# those without a default must be given (a config that leaves out another means its default).
-_ARGUMENTS = inspect.signature(Transformer).parameters
-Transformer.CONFIG_KEYS = tuple(name for name in _ARGUMENTS if name not in ("device", "dtype"))
-Transformer.REQUIRED_KEYS = tuple(
-    name for name in Transformer.CONFIG_KEYS if _ARGUMENTS[name].default is inspect.Parameter.empty
-)
+# The architecture arguments, the keys of `model.config`: the sizes, then the options; the sizes
+# without a default must be given (a config that leaves out another means its default).
+_SIZES = [p for p in inspect.signature(Transformer).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+Transformer.CONFIG_KEYS = tuple(p.name for p in _SIZES) + OPTION_NAMES
+Transformer.REQUIRED_KEYS = tuple(p.name for p in _SIZES if p.default is inspect.Parameter.empty)

@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from tinylm.config.keys import END_OF_TEXT, UINT16_VOCAB_LIMIT
+from tinylm.config.constants import END_OF_TEXT, UINT16_VOCAB_LIMIT
 from tinylm.tokenizer.pair_index import PairIndex, pack_words
 from tinylm.tokenizer.pretokenize import check_readable, check_special_tokens, count_pretokens
 from tinylm.tokenizer.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tinylm.config.keys import UINT16_VOCAB_LIMIT
+from tinylm.config.constants import UINT16_VOCAB_LIMIT
 from tinylm.io import atomic_path
 from tinylm.tokenizer.pretokenize import (
     check_readable,

@@ -1,21 +1,19 @@
-"""A config key: its default, explanation and allowed values in one place (`key`), and ConfigError."""
+"""A declared key: its default, explanation, allowed values and role in one dataclass field (`key`),
+the check of a value against them (`check_value`), and ConfigError.
+
+The config's sections (tinylm/config/) and the model's options (tinylm/model_options.py) are
+declared with it; this module imports nothing of tinylm, so both can.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import field
 from typing import Any
 
-END_OF_TEXT = "<|endoftext|>"  # separates documents; the special token that ends a sample
-UINT16_VOCAB_LIMIT = 65536  # token files are uint16: ids must fit in 0..65535
-DEFAULT_VALID_PLAYS = ["twelfth-night", "hamlet", "richard-ii", "the-tempest"]
-# An entry of corpus.train_urls / valid_urls: the URL, then its sha256 as pip writes it.
-URL_WITH_SHA256 = re.compile(r"(?P<url>\S+)#sha256=(?P<sha256>[0-9a-fA-F]{64})")
-
 
 class ConfigError(ValueError):
-    """A config value is missing, unknown, of the wrong type or out of range."""
+    """A config value (or a model option) is missing, unknown, of the wrong type or out of range."""
 
 
 def key(
@@ -60,3 +58,29 @@ def key(
         "applies_if": applies_if,
     }
     return field(default=default, default_factory=factory, metadata=metadata)
+
+
+def check_value(value: Any, declared: dataclasses.Field, name: str) -> None:
+    """Refuse a value outside what `declared` (a field made by `key`) allows; the message names `name`.
+
+    None always passes (a key that may be null says so in its type); a string passes a numeric key
+    only if it is one of its `words`.
+    """
+    meta = declared.metadata
+    if value is None or not meta:
+        return
+    if isinstance(value, str) and meta.get("words"):  # the words a numeric key also takes
+        if value not in meta["words"]:
+            raise ConfigError(f"{name}: {value!r} is not a number nor one of {meta['words']}")
+        return
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{name}: {value!r} is not one of {meta['choices']}")
+    lo, hi = meta["lo"], meta["hi"]
+    if lo is not None and (value <= lo if meta["lo_open"] else value < lo):
+        raise ConfigError(
+            f"{name}: {value!r} is out of range (must be {'>' if meta['lo_open'] else '>='} {lo})"
+        )
+    if hi is not None and (value >= hi if meta["hi_open"] else value > hi):
+        raise ConfigError(
+            f"{name}: {value!r} is out of range (must be {'<' if meta['hi_open'] else '<='} {hi})"
+        )
