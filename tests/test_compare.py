@@ -7,6 +7,7 @@ import statistics
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.stats
 
 from tinylm.checkpoint import FORMAT
 from tinylm.compare import (
@@ -229,6 +230,19 @@ def test_a_difference_within_the_spread_is_marked(tmp_path):
     ]
     assert expected == [None, True, False, None]  # the constructed table has one of each
     assert list(figures["within_spread"]) == expected
+    # Welch's t-test written out: t = (mean_a - mean_b) / sqrt(va/na + vb/nb), the Welch-Satterthwaite
+    # degrees of freedom, and the two tails of Student's t.
+    for (config, values), p in zip(list(bpb.items())[1:], list(figures["p_welch"])[1:], strict=True):
+        if len(values) < 2:
+            assert pd.isna(p), config  # empty in the CSV
+            continue
+        first = bpb["default"]
+        va, vb = np.var(values, ddof=1) / len(values), np.var(first, ddof=1) / len(first)
+        t = (np.mean(values) - np.mean(first)) / np.sqrt(va + vb)
+        dof = (va + vb) ** 2 / (va**2 / (len(values) - 1) + vb**2 / (len(first) - 1))
+        assert p == pytest.approx(2 * scipy.stats.t.sf(abs(t), dof), rel=1e-9), config
+    assert pd.isna(figures["p_welch"].iloc[0])
+    assert figures["p_welch"].iloc[2] < 0.01 < figures["p_welch"].iloc[1]  # "far" differs, "close" not
     head, cells, _ = table_cells(figures, with_loss=True)
     assert head[0] == "config" and "seeds" in head
     marked = [row[-1].endswith(f" {WITHIN_SPREAD_MARK}") for row in cells]

@@ -19,7 +19,10 @@ the mean divided by n - 1), empty for a configuration of one seed. `vs_first` is
 the mean bits per byte to the first configuration's, and `within_spread` says whether it is within
 the two configurations' combined spread: |vs_first| <= sqrt(std**2 + std_first**2) of bits per
 byte (the standard deviation of the difference of one seed of each); empty for the first
-configuration and wherever a spread is unknown (one seed).
+configuration and wherever a spread is unknown (one seed). `p_welch` is the two-sided p-value of
+Welch's t-test (unequal variances; scipy.stats.ttest_ind) of the configuration's bits per byte
+against the first's, over their seeds: the chance of a difference of means at least this large if
+both had the same mean; empty where either has fewer than two seeds (or both have no spread).
 
 compare.png plots bits per byte (and, when every run has the same vocabulary, validation loss)
 against tokens seen and against training time, one line per configuration (the mean over its
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import scipy.stats
 
 from tinylm.checkpoint import Manifest, published_run
 from tinylm.eval_table import read_eval
@@ -75,6 +79,7 @@ SEED_COLUMNS = [
     "bits_per_byte_std",
     "vs_first",
     "within_spread",
+    "p_welch",
 ]
 
 
@@ -197,16 +202,26 @@ def within_spread(difference: float, std_a: float, std_b: float) -> bool | None:
     return abs(difference) <= math.sqrt(std_a**2 + std_b**2)
 
 
+def welch_p_value(a: Iterable[float], b: Iterable[float]) -> float | None:
+    """The two-sided p-value of Welch's t-test of the means of samples `a` and `b` (unequal
+    variances); None when either has fewer than two values, or neither varies."""
+    a, b = list(a), list(b)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    p = float(scipy.stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return None if math.isnan(p) else p
+
+
 def seed_figures(table: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration, in run order (SEED_COLUMNS): the final checkpoint of each of its seeds'
     runs, averaged, with the sample standard deviation (ddof=1) of val_loss and bits_per_byte, and the
     difference of the mean bits per byte to the first configuration's, marked `within_spread` (see there;
-    None for the first configuration).
+    None for the first configuration), with Welch's p-value against the first (`welch_p_value`).
 
     The seeds of one configuration must end at the same step; a ValueError says which do not.
     """
     final = table.groupby("run", sort=False).tail(1)
-    rows = []
+    rows, samples = [], []  # samples: each configuration's final bits per byte, one per seed
     for config, group in final.groupby("config", sort=False):
         if group["step"].nunique() > 1:
             ends = ", ".join(f"{r.run} at {r.step}" for r in group.itertuples())
@@ -227,6 +242,7 @@ def seed_figures(table: pd.DataFrame) -> pd.DataFrame:
                 "bits_per_byte_std": sample_std(group["bits_per_byte"]),
             }
         )
+        samples.append(list(group["bits_per_byte"]))
     figures = pd.DataFrame(rows, columns=SEED_COLUMNS)
     if figures.empty:
         return figures
@@ -236,6 +252,7 @@ def seed_figures(table: pd.DataFrame) -> pd.DataFrame:
         within_spread(r.vs_first, r.bits_per_byte_std, first["bits_per_byte_std"])
         for r in figures.iloc[1:].itertuples()
     ]
+    figures["p_welch"] = [None] + [welch_p_value(sample, samples[0]) for sample in samples[1:]]
     return figures
 
 
@@ -366,8 +383,10 @@ def write_compare(
     figures = seed_figures(table)
     with atomic_path(csv_path, suffix=".csv") as tmp:
         table.to_csv(tmp, index=False, float_format="%.6f")
+    # p-values in 6 significant digits: a fixed 6 decimals would write a small one as 0.000000.
+    p_values = ["" if pd.isna(p) else f"{p:.6g}" for p in figures["p_welch"]]
     with atomic_path(seeds_path or seeds_csv_path(csv_path), suffix=".csv") as tmp:
-        figures.to_csv(tmp, index=False, float_format="%.6f")
+        figures.assign(p_welch=p_values).to_csv(tmp, index=False, float_format="%.6f")
     if plot_path is None:
         return
     import matplotlib
