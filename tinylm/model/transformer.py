@@ -163,12 +163,11 @@ class Transformer(nn.Module):
             raise TypeError(
                 f"Transformer: unknown option {unknown[0]!r} (the options: {', '.join(OPTION_NAMES)})"
             )
+        # Every architecture argument, options included: Transformer(**model.config) rebuilds it.
+        self.config = {name: value for name, value in locals().items() if name in Transformer.CONFIG_KEYS}
         self.options = ModelOptions(**options)
         self.options.check(num_layers)
-        # Every architecture argument, options included: Transformer(**model.config) rebuilds it.
-        shape = dict(vocab_size=vocab_size, context_length=context_length, d_model=d_model)
-        shape.update(num_layers=num_layers, num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta)
-        self.config = {**shape, **dataclasses.asdict(self.options)}
+        self.config.update(dataclasses.asdict(self.options))
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.logit_softcap = self.options.logit_softcap
