@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.throughput import GPU_PEAK_FLOPS, flops_per_token, gpu_entry, mfu, peak_flops
+from tinylm.flops import flops_per_token
+from tinylm.throughput import GPU_PEAK_FLOPS, gpu_entry, mfu, peak_flops
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ def key(
     words: list[str] | None = None,
     execution: bool = False,
     applies_if: tuple[str, Any] | None = None,
+    null_means: str | None = None,
 ) -> Any:
     """A config key: its default, its explanation, its allowed values and its role, in one place.
 
@@ -43,7 +44,9 @@ def key(
     which updates it makes, so it is left out of the run's identity and may change on resume. A key
     with `applies_if=(other key, value)` decides the weights only while that key of its section has
     that value (e.g. `muon_lr` with `optimizer: muon`); otherwise it is left out too (see
-    tinylm/config/runs.py, `weight_config`).
+    tinylm/config/runs.py, `weight_config`). A key with `null_means=other key` (default None) takes that
+    key's value while null; it is left out of the identity while null or equal to it (the same run
+    either way), so the runs made before it existed keep their hash.
     """
     metadata = {
         "help": help,
@@ -56,6 +59,7 @@ def key(
         "words": words,
         "execution": execution,
         "applies_if": applies_if,
+        "null_means": null_means,
     }
     return field(default=default, default_factory=factory, metadata=metadata)
 

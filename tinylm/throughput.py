@@ -1,15 +1,7 @@
 """What a training log line reports besides the loss: tokens/s, model FLOPs utilisation, peak memory.
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s / peak FLOP/s of the devices, where the model
-FLOPs of one token, forward and backward, are
-
-    6 * (weights of the matmuls)  +  12 * num_layers * d_model * context_length
-
-The first term is 2 FLOPs per weight per token forward and 4 backward (every weight but the embedding
-table, which is a lookup, and the RMSNorm gains, which are not matmuls); the second is the attention
-scores q k^T and their product with v (4 * T * d_model per token and layer forward, 3x that with
-backward), counted in full as is usual, although a causal kernel skips about half of it. Recomputation
-and optimizer work are not model FLOPs.
+FLOPs of one token are tinylm/flops.py's count (6 per matmul weight, plus attention).
 
 Peak FLOP/s come from a small table of common GPUs (dense, no sparsity), per dtype: bfloat16 / float16
 tensor cores, TF32 tensor cores (float32 matmuls when TF32 is allowed) or plain float32. On the CPU, or
@@ -75,13 +67,6 @@ def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None]] | None:
         if re.search(rf"(?<![A-Za-z0-9]){pattern}(?![A-Za-z0-9])", device_name):
             return name, peaks
     return None
-
-
-def flops_per_token(model_config: dict) -> float:
-    """Model FLOPs of one training token (forward + backward) at the full context; see the module doc."""
-    d, L, T = model_config["d_model"], model_config["num_layers"], model_config["context_length"]
-    matmul_weights = L * (4 * d * d + 3 * d * model_config["d_ff"]) + d * model_config["vocab_size"]
-    return 6.0 * matmul_weights + 12.0 * L * d * T
 
 
 def peak_flops(

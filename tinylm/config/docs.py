@@ -64,6 +64,8 @@ def yaml_value(value: Any) -> str:
         return value if plain else json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         return "[" + ", ".join(yaml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{yaml_value(k)}: {yaml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no YAML form for {value!r}")
 
 

@@ -23,7 +23,8 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}[tp]
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "mapping", type(None): "null"}
+    return names[tp]
 
 
 def _a(noun: str) -> str:
@@ -67,10 +68,10 @@ def _coerce(value: Any, tp, key: str) -> Any:
         ok = isinstance(value, tp)
     if not ok:
         hint = ""
-        if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
-            hint = (
-                f"; YAML reads {value} as text, write {value.strip().replace('e', '.0e').replace('E', '.0E')}"
-            )
+        number = re.fullmatch(r"([-+]?\d+)(\.\d*)?[eE]([-+]?)(\d+)", value.strip()) if isinstance(value, str) else None
+        if tp is float and number:
+            whole, fraction, sign, exponent = number.groups()
+            hint = f"; YAML reads {value} as text, write {whole}{fraction or '.0'}e{sign or '+'}{exponent}"
         raise ConfigError(
             f"{key}: expected {_a(_type_name(tp))}, got {value!r} ({type(value).__name__}){hint}"
         )

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tinylm.config.ladder import LADDER_KEY, LadderPlan, ladder_plan
 from tinylm.config.loading import from_dict, read_config_file
 from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
@@ -20,7 +21,10 @@ DEFAULT_RUN = "default"
 RESULTS = "results"  # where the workflow and the stages put their artifacts, relative to the project
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 SEEDS_KEY = "seeds"  # the top-level key that repeats every run once per seed
-SEED_KEY = "train.seed"
+SEED_KEY_KEY = "seed_key"  # the top-level key that names the key `seeds:` sets
+# The keys a sweep may repeat, with the suffix of the run names: the initialisation and the data order
+# together (train.seed; train.data_seed follows it while null), or the data order alone.
+SEED_KEYS = {"train.seed": "s", "train.data_seed": "d"}
 
 
 def run_configs(raw: Any) -> dict[str, Config]:
@@ -34,19 +38,63 @@ def run_configs(raw: Any) -> dict[str, Config]:
 
     With `seeds: [s0, s1, ...]` (see `read_seeds`) every run, "default" included, is repeated once
     per seed with `train.seed` set to it, as the run `<run>.s<seed>` (`seed_run_name`), in the order
-    run by run, then seed by seed. The main config stays the run "default" at its own seed, first:
-    the stages run by hand and the default target use it. A run that sets `train.seed` itself is an
-    error under `seeds:`.
+    run by run, then seed by seed; with `seed_key: train.data_seed` the seeds set the data order
+    alone, as the runs `<run>.d<seed>`. The main config stays the run "default" at its own seed,
+    first: the stages run by hand and the default target use it. A run that sets the seeded key
+    itself is an error under `seeds:`.
+
+    A `ladder:` section (tinylm/config/ladder.py) adds its runs to those of `runs:`.
     """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
-    seeds = read_seeds(raw)
-    raw = dict(raw)
-    raw.pop(SEEDS_KEY, None)
-    runs = raw.pop("runs", None) or {}
+    seeds, seed_key = read_seeds(raw), read_seed_key(raw)
+    runs = named_runs(raw)
+    raw = main_config(raw)
     configs = {DEFAULT_RUN: from_dict(raw)}
+    named: dict[str, tuple[str, dict]] = {}  # run name -> (the run of `runs:` it is, its overrides)
+    if seeds is None:
+        named = {name: (name, overrides or {}) for name, overrides in runs.items()}
+    else:
+        for run, overrides in {DEFAULT_RUN: {}, **runs}.items():
+            if seed_key in (overrides or {}):
+                raise ConfigError(
+                    f"runs.{run}: {seed_key} is set here and by {SEEDS_KEY}: {seeds} (under {SEEDS_KEY}: "
+                    f"every run takes each seed in turn); remove one of the two"
+                )
+            for seed in seeds:
+                name = seed_run_name(run, seed, seed_key)
+                if not RUN_NAME.match(name):
+                    raise ConfigError(
+                        f"runs: {run!r} at {SEEDS_KEY}: {seed} is the run {name!r}, longer than a run "
+                        f"name may be (64 characters); shorten the run's name"
+                    )
+                named[name] = (run, {**(overrides or {}), seed_key: seed})
+    folded: dict[str, str] = {}
+    for name, (run, overrides) in named.items():
+        if name.lower() in folded:
+            raise ConfigError(
+                f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
+                f"case-insensitive file system"
+            )
+        folded[name.lower()] = name
+        configs[name] = _apply_overrides(raw, f"runs.{run}", overrides)
+    return configs
+
+
+def main_config(raw: dict) -> dict:
+    """The main config of a raw one: its sections, without the keys that name runs."""
+    return {k: v for k, v in raw.items() if k not in (SEEDS_KEY, SEED_KEY_KEY, "runs")}
+
+
+def named_runs(raw: Any) -> dict[str, dict[str, Any] | None]:
+    """The named runs of a raw config before seeding, by name: `runs:`, then the `ladder:` runs.
+
+    A run name must be a safe path component (RUN_NAME), not "default"; a ladder run may not take
+    the name of a run of `runs:`.
+    """
+    runs = (raw or {}).get("runs") or {}
     if not isinstance(runs, dict):
         raise ConfigError(f"runs: expected a mapping of run names to overrides, got {runs!r}")
     for name, overrides in runs.items():
@@ -57,44 +105,35 @@ def run_configs(raw: Any) -> dict[str, Config]:
             )
         if overrides is not None and not isinstance(overrides, dict):
             raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
-    named: dict[str, tuple[str, dict]] = {}  # run name -> (the run of `runs:` it is, its overrides)
-    if seeds is None:
-        named = {name: (name, overrides or {}) for name, overrides in runs.items()}
-    else:
-        for run, overrides in {DEFAULT_RUN: {}, **runs}.items():
-            if SEED_KEY in (overrides or {}):
-                raise ConfigError(
-                    f"runs.{run}: {SEED_KEY} is set here and by {SEEDS_KEY}: {seeds} (under {SEEDS_KEY}: "
-                    f"every run takes each seed in turn); remove one of the two"
-                )
-            for seed in seeds:
-                name = seed_run_name(run, seed)
-                if not RUN_NAME.match(name):
-                    raise ConfigError(
-                        f"runs: {run!r} at {SEEDS_KEY}: {seed} is the run {name!r}, longer than a run "
-                        f"name may be (64 characters); shorten the run's name"
-                    )
-                named[name] = (run, {**(overrides or {}), SEED_KEY: seed})
-    folded: dict[str, str] = {}
-    for name, (run, overrides) in named.items():
-        if name.lower() in folded:
-            raise ConfigError(
-                f"runs: {name!r} and {folded[name.lower()]!r} name the same folder on a "
-                f"case-insensitive file system"
-            )
-        folded[name.lower()] = name
-        configs[name] = _apply_overrides(raw, run, overrides)
-    return configs
+        for dotted in overrides or {}:
+            if str(dotted).startswith(f"{LADDER_KEY}."):
+                raise ConfigError(f"runs.{name}: {dotted}: the ladder is the main config's; a run cannot set it")
+    plan, shared = ladder_of(raw)
+    for run in plan.runs:
+        if run.name in runs:
+            raise ConfigError(f"runs.{run.name}: is also a run of {LADDER_KEY}:; rename the run")
+    return {**runs, **{run.name: {**shared, **run.overrides} for run in plan.runs}}
 
 
-def _apply_overrides(raw: dict, name: str, overrides: dict[str, Any]) -> Config:
+def ladder_of(raw: Any) -> tuple[LadderPlan, dict[str, Any]]:
+    """The `ladder:` plan of a raw config (tinylm/config/ladder.py) and the overrides its runs share
+    (`ladder.overrides`), checked like a run's: the plan counts FLOPs at the overridden sizes."""
+    main = main_config(raw or {})
+    shared = dict(from_dict(main).ladder.overrides)
+    for dotted in shared:
+        if str(dotted).startswith(f"{LADDER_KEY}."):
+            raise ConfigError(f"ladder.overrides: {dotted}: a ladder run cannot set the ladder's own keys")
+    return ladder_plan(_apply_overrides(main, "ladder.overrides", shared)), shared
+
+
+def _apply_overrides(raw: dict, where: str, overrides: dict[str, Any]) -> Config:
     merged = copy.deepcopy(raw)
     sections = [f.name for f in dataclasses.fields(Config)]
     for key, value in overrides.items():
         section, _, field_name = str(key).partition(".")
         if section not in sections or not field_name:
             raise ConfigError(
-                f"runs.{name}: {key!r} is not a dotted key 'section.key' of the config "
+                f"{where}: {key!r} is not a dotted key 'section.key' of the config "
                 f"(sections: {', '.join(sections)})"
             )
         merged.setdefault(section, {})
@@ -104,18 +143,30 @@ def _apply_overrides(raw: dict, name: str, overrides: dict[str, Any]) -> Config:
     try:
         return from_dict(merged)
     except ConfigError as e:
-        raise ConfigError(f"runs.{name}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def run_overrides(raw: Any) -> dict[str, dict[str, Any]]:
     """The overrides of every run of `run_configs` (`{}` for "default"), as given in `runs:`.
 
-    A seeded run `<run>.s<seed>` has its run's overrides; its `train.seed` is not listed (see
-    `seed_runs`).
+    A seeded run `<run>.s<seed>` has its run's overrides; its seed is not listed (see `seed_runs`).
     """
-    runs = {name: dict(overrides or {}) for name, overrides in ((raw or {}).get("runs") or {}).items()}
+    runs = {name: dict(overrides or {}) for name, overrides in named_runs(raw).items()}
     seeded = {name: runs.get(run.config, {}) for name, run in seed_runs(raw).items()}
     return {DEFAULT_RUN: {}, **(seeded or runs)}
+
+
+def read_seed_key(raw: Any) -> str:
+    """The key `seeds:` repeats (`seed_key:`, default train.seed), checked: one of SEED_KEYS, and
+    given only beside `seeds:`."""
+    if not isinstance(raw, dict) or SEED_KEY_KEY not in raw:
+        return "train.seed"
+    seed_key = raw[SEED_KEY_KEY]
+    if seed_key not in SEED_KEYS:
+        raise ConfigError(f"{SEED_KEY_KEY}: {seed_key!r} is not one of {list(SEED_KEYS)} (the key {SEEDS_KEY}: sets)")
+    if SEEDS_KEY not in raw:
+        raise ConfigError(f"{SEED_KEY_KEY}: names the key {SEEDS_KEY}: sets, and this config has no {SEEDS_KEY}:")
+    return seed_key
 
 
 def read_seeds(raw: Any) -> list[int] | None:
@@ -139,15 +190,17 @@ def read_seeds(raw: Any) -> list[int] | None:
 
 
 class SeedRun(NamedTuple):
-    """A run of a sweep with `seeds:`: the run it repeats (its configuration) and its `train.seed`."""
+    """A run of a sweep with `seeds:`: the run it repeats (its configuration) and its seed (the value
+    of the key `seed_key:` names)."""
 
     config: str
     seed: int
 
 
-def seed_run_name(run: str, seed: int) -> str:
-    """The name of `run` at `seed` under `seeds:`: `<run>.s<seed>` ("default.s0", "r1_wd0.1.s2")."""
-    return f"{run}.s{seed}"
+def seed_run_name(run: str, seed: int, seed_key: str = "train.seed") -> str:
+    """The name of `run` at `seed` under `seeds:`: `<run>.s<seed>` ("default.s0", "r1_wd0.1.s2"), or
+    `<run>.d<seed>` when the seeds set train.data_seed."""
+    return f"{run}.{SEED_KEYS[seed_key]}{seed}"
 
 
 def seed_runs(raw: Any) -> dict[str, SeedRun]:
@@ -155,11 +208,11 @@ def seed_runs(raw: Any) -> dict[str, SeedRun]:
 
     The names are not checked here: `run_configs` does that.
     """
-    seeds = read_seeds(raw)
+    seeds, seed_key = read_seeds(raw), read_seed_key(raw)
     if seeds is None:
         return {}
-    runs = [DEFAULT_RUN, *(raw.get("runs") or {})]
-    return {seed_run_name(run, seed): SeedRun(run, seed) for run in runs for seed in seeds}
+    runs = [DEFAULT_RUN, *named_runs(raw)]
+    return {seed_run_name(run, seed, seed_key): SeedRun(run, seed) for run in runs for seed in seeds}
 
 
 def config_hash(*sections: Any) -> str:
@@ -181,7 +234,8 @@ EXECUTION_TRAIN_KEYS = _keys_with(TrainConfig, "execution")
 
 def weight_config(cfg: Config) -> dict[str, Any]:
     """The model and train keys that decide the trained weights: every key of the two sections but
-    the execution keys and the keys whose `applies_if` condition does not hold (tinylm/keys.py)."""
+    the execution keys, the keys whose `applies_if` condition does not hold and the `null_means`
+    keys that are null or equal to the key they fall back to (tinylm/keys.py)."""
     return {name: _deciding(getattr(cfg, name)) for name in ("model", "train")}
 
 
@@ -191,6 +245,9 @@ def _deciding(section: Any) -> dict[str, Any]:
     for f in dataclasses.fields(section):
         condition = f.metadata.get("applies_if")
         if f.metadata.get("execution") or (condition and values[condition[0]] != condition[1]):
+            continue
+        fallback = f.metadata.get("null_means")
+        if fallback and values[f.name] in (None, values[fallback]):
             continue
         deciding[f.name] = values[f.name]
     return deciding

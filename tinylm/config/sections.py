@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinylm.config.constants import DEFAULT_VALID_PLAYS, END_OF_TEXT
+from tinylm.config.ladder import LadderConfig
 from tinylm.config.train import TrainConfig
 from tinylm.keys import key
 from tinylm.model_options import ModelOptions
@@ -225,6 +226,7 @@ class Config:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

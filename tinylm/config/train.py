@@ -16,7 +16,16 @@ class TrainConfig:
         lo=0,
         help="rank r seeds torch, numpy and random with `seed + r`",
         more="(the model is initialised on rank 0 and broadcast); the global batch of each step is a pure "
-        "function of (seed, step)",
+        "function of (`data_seed`, step), and `data_seed` is this seed unless set",
+    )
+    data_seed: int | None = key(
+        None,
+        lo=0,
+        help="seed of the data order (each step's batch, the validation estimates' draws); `null` = `seed`",
+        more="Set it to vary the data order while `seed` keeps the initialisation (and the dropout masks); "
+        "a sweep repeats it with the top-level `seed_key: train.data_seed`. Null and `seed` are the same run "
+        "(left out of its identity), so runs from before the key keep their hash and their bytes",
+        null_means="seed",
     )
     world_size: int = key(
         2,
@@ -54,7 +63,7 @@ class TrainConfig:
         32,
         lo=1,
         help="global batch (sequences per update), the same at any world size",
-        more="Its window starts are drawn from a generator seeded by (`seed`, step) alone; rank r's "
+        more="Its window starts are drawn from a generator seeded by (`data_seed`, step) alone; rank r's "
         "micro-batch m is slice r * `grad_accum_steps` + m of it. So every world size and accumulation "
         "trains on the very same tokens (must be divisible by `world_size * grad_accum_steps`)",
     )
@@ -300,6 +309,11 @@ class TrainConfig:
         more='(see "Disk" below)',
         execution=True,
     )
+
+    @property
+    def data_order_seed(self) -> int:
+        """The seed of the data order: `data_seed`, or `seed` when it is null."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def cos_cycle(self) -> int:

@@ -14,7 +14,8 @@ import torch
 from tinylm.config import TrainConfig
 from tinylm.model import Transformer
 from tinylm.parallel import RankContext
-from tinylm.throughput import StepMeter, flops_per_token, peak_flops
+from tinylm.flops import flops_per_token
+from tinylm.throughput import StepMeter, peak_flops
 
 STAGE = "pretrain"
 _label = f"[{STAGE}]"

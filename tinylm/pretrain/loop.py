@@ -2,7 +2,7 @@
 
 One update (step s, 1-based), on every rank r of world_size, with A = train.grad_accum_steps:
 
-    batch       the global batch of batch_size windows is a function of (seed, s) only; rank r
+    batch       the global batch of batch_size windows is a function of (data seed, s) only; rank r
                 takes its A micro-batches of batch_size / (world_size * A) (tinylm/data.py)
     forward     autocast to train.dtype (parameters stay float32), our cross-entropy in float32,
                 divided by A; backward inside ddp.no_sync() for all micro-batches but the last
@@ -75,7 +75,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
         load_tokens(spec.train_tokens),
-        train.seed,
+        train.data_order_seed,
         train.batch_size,
         context_length,
         ctx.rank,
@@ -135,7 +135,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         log.step_done(step, loss_value, norm_value, lrs, scaler, overflow)
 
         if ctx.is_main and (step % train.val_interval == 0 or step == train.max_iters):
-            generator = batch_generator(train.seed, step, stream=1)
+            generator = batch_generator(train.data_order_seed, step, stream=1)
             micro_batch = micro_batch_size(train.batch_size, ctx.world_size, accum)
             val_loss = estimate_loss(
                 model, valid_tokens, micro_batch, context_length, train.val_batches, device, generator, dtype

@@ -31,7 +31,7 @@ from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.state import newest_intact_step
 from tinylm.pretrain.steps import committed_steps, step_manifest
-from tinylm.throughput import flops_per_token
+from tinylm.flops import flops_per_token
 from tinylm.tokenizer import Tokenizer
 
 

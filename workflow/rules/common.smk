@@ -5,7 +5,7 @@ import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_state_dir
+from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_hash, run_state_dir
 from tinylm.io import atomic_path
 from tinylm.corpus.readers import matching_files
 
@@ -15,7 +15,7 @@ from tinylm.corpus.readers import matching_files
 # sections equal the main config's use results/corpus, results/tokenizer and results/tokens;
 # other data lives in results/data/<data hash>/. Rules match these prefixes with the wildcards
 # {run_dir} ("" or "runs/<name>/") and {data_dir} ("" or "data/<hash>/").
-# Under `seeds:`, the run default.s<seed> at the main config's own seed is the main config's run
+# Under `seeds:`, the run default.s<seed> (or .d<seed>) at the main config's own seed is the main config's run
 # itself (the same config): it is trained once, in results/, for the default target and the sweep.
 wildcard_constraints:
     run_dir=r"(runs/[A-Za-z0-9][A-Za-z0-9_.-]*/)?",
@@ -23,7 +23,8 @@ wildcard_constraints:
 
 
 MAIN_RUNS = {DEFAULT_RUN} | {
-    run for run, seeded in SEEDED.items() if seeded == (DEFAULT_RUN, RUNS[DEFAULT_RUN].train.seed)
+    run for run, seeded in SEEDED.items()
+    if seeded.config == DEFAULT_RUN and run_hash(RUNS[run]) == run_hash(RUNS[DEFAULT_RUN])
 }
 
 

@@ -10,7 +10,8 @@ OVERRIDDEN = list(dict.fromkeys(key for overrides in OVERRIDES.values() for key 
 
 
 COMPARED = [
-    {"name": run, "config": SEEDED[run].config if SEEDED else run, "seed": RUNS[run].train.seed,
+    {"name": run, "config": SEEDED[run].config if SEEDED else run,
+     "seed": SEEDED[run].seed if SEEDED else RUNS[run].train.seed,
      "eval": f"results/{run_dir(run)}eval.csv", "checkpoints": f"results/{run_dir(run)}checkpoints",
      "overrides": OVERRIDES[run], "values": {key: config_value(RUNS[run], key) for key in OVERRIDDEN}}
     for run in (SEEDED or RUNS)
