@@ -139,9 +139,9 @@ def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str) -> floa
 
 
 def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> dict:
+    from tinylm.flops import flops_per_token
     from tinylm.nn_utils import gradient_clip
     from tinylm.precision import autocast, configure_kernels
-    from tinylm.flops import flops_per_token
     from tinylm.throughput import mfu, peak_flops, peak_memory_mib
 
     impl, compiled, deterministic, checkpointing = VARIANTS[name]

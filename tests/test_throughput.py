@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tinylm.flops import flops_per_token
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.flops import flops_per_token
 from tinylm.throughput import GPU_PEAK_FLOPS, gpu_entry, mfu, peak_flops
 
 

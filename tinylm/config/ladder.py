@@ -44,7 +44,7 @@ class LadderConfig:
     )
     shapes: list[dict] = key(
         factory=list,
-        help="the shapes, each `{d_model: D, num_layers: L}`; `num_heads` and `d_ff` follow the rule below unless given",
+        help="each `{d_model: D, num_layers: L}`; `num_heads`, `d_ff` by the rule below unless given",
         more="At least 3 of them must spend each budget (a parabola needs three points). The run "
         "`C2e12_d64L2` is the shape d_model 64, 2 layers at budget 2e12; a shape that sets `num_heads` "
         "or `d_ff` off the rule adds `h<heads>` or `f<d_ff>` to its name",
@@ -60,7 +60,9 @@ class LadderConfig:
     d_ff_multiple: int = key(
         8, lo=1, help="the rule's `d_ff`: 8/3 `d_model` rounded up to a multiple of this (128 -> 344)"
     )
-    min_steps: int = key(1, lo=1, help="a shape that would train fewer steps than this at a budget is left out")
+    min_steps: int = key(
+        1, lo=1, help="a shape that would train fewer steps than this at a budget is left out"
+    )
     max_tokens: int | None = key(
         None,
         lo=1,
@@ -127,7 +129,9 @@ def shape_of(entry: Any, ladder: LadderConfig, where: str) -> tuple[str, dict[st
     """(name, {d_model, num_layers, num_heads, d_ff}) of one entry of `ladder.shapes`, by the rule
     where it leaves num_heads or d_ff out; a ConfigError names `where` (ladder.shapes[i])."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: expected a mapping such as {{d_model: 64, num_layers: 2}}, got {entry!r}")
+        raise ConfigError(
+            f"{where}: expected a mapping such as {{d_model: 64, num_layers: 2}}, got {entry!r}"
+        )
     unknown = sorted(set(entry) - set(SHAPE_KEYS))
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key (a shape has {', '.join(SHAPE_KEYS)})")
@@ -157,9 +161,10 @@ def ladder_plan(cfg: Config) -> LadderPlan:
     """The runs of `cfg.ladder` (none when it has no budgets) and the lines of what it leaves out.
 
     `cfg` is the main config with `ladder.overrides` applied (tinylm/config/runs.py): the shape,
-    steps and warmup of each run come from here, everything else from `cfg`. Refused with one line naming the key: fewer than 3 budgets (4 with `holdout`) or shapes,
-    a budget given twice, a shape given twice or whose rule gives a non-integer head count, and a
-    budget that fewer than 3 shapes can spend.
+    steps and warmup of each run come from here, everything else from `cfg`. Refused with one line
+    naming the key: fewer than 3 budgets (4 with `holdout`) or shapes, a budget given twice, a shape
+    given twice or whose rule gives a non-integer head count, and a budget that fewer than 3 shapes
+    can spend.
     """
     ladder, train = cfg.ladder, cfg.train
     if not ladder.budgets:
@@ -167,8 +172,9 @@ def ladder_plan(cfg: Config) -> LadderPlan:
     least = MIN_POINTS + ladder.holdout
     if len(ladder.budgets) < least:
         raise ConfigError(
-            f"ladder.budgets: {len(ladder.budgets)} budgets are too few: the power laws N_opt(C) and D_opt(C) "
-            f"need at least {MIN_POINTS}" + (", and ladder.holdout one more to hold out" if ladder.holdout else "")
+            f"ladder.budgets: {len(ladder.budgets)} budgets are too few: the power laws N_opt(C) and "
+            f"D_opt(C) need at least {MIN_POINTS}"
+            + (", and ladder.holdout one more to hold out" if ladder.holdout else "")
         )
     if any(b <= 0 for b in ladder.budgets) or len(set(ladder.budgets)) != len(ladder.budgets):
         raise ConfigError(f"ladder.budgets: must be distinct positive numbers of FLOPs, got {ladder.budgets}")
@@ -185,10 +191,14 @@ def ladder_plan(cfg: Config) -> LadderPlan:
         shapes[name] = shape
     tokens_per_step = train.batch_size * cfg.model.context_length
     runs, left_out = [], []
-    for i, budget in enumerate(sorted(ladder.budgets)):
+    for budget in sorted(ladder.budgets):
         spending = []
         for shape_name, shape in shapes.items():
-            sizes = {**shape, "context_length": cfg.model.context_length, "vocab_size": cfg.tokenizer.vocab_size}
+            sizes = {
+                **shape,
+                "context_length": cfg.model.context_length,
+                "vocab_size": cfg.tokenizer.vocab_size,
+            }
             per_step = flops_per_token(sizes) * tokens_per_step
             steps = round(budget / per_step)
             run = f"C{budget_label(budget)}_{shape_name}"

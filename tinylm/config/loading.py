@@ -23,7 +23,14 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
-    names = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "mapping", type(None): "null"}
+    names = {
+        int: "integer",
+        float: "number",
+        str: "string",
+        bool: "boolean",
+        dict: "mapping",
+        type(None): "null",
+    }
     return names[tp]
 
 
@@ -68,7 +75,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
         ok = isinstance(value, tp)
     if not ok:
         hint = ""
-        number = re.fullmatch(r"([-+]?\d+)(\.\d*)?[eE]([-+]?)(\d+)", value.strip()) if isinstance(value, str) else None
+        number = (
+            re.fullmatch(r"([-+]?\d+)(\.\d*)?[eE]([-+]?)(\d+)", value.strip())
+            if isinstance(value, str)
+            else None
+        )
         if tp is float and number:
             whole, fraction, sign, exponent = number.groups()
             hint = f"; YAML reads {value} as text, write {whole}{fraction or '.0'}e{sign or '+'}{exponent}"

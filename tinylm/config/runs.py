@@ -107,7 +107,9 @@ def named_runs(raw: Any) -> dict[str, dict[str, Any] | None]:
             raise ConfigError(f"runs.{name}: expected a mapping of dotted keys to values, got {overrides!r}")
         for dotted in overrides or {}:
             if str(dotted).startswith(f"{LADDER_KEY}."):
-                raise ConfigError(f"runs.{name}: {dotted}: the ladder is the main config's; a run cannot set it")
+                raise ConfigError(
+                    f"runs.{name}: {dotted}: the ladder is the main config's; a run cannot set it"
+                )
     plan, shared = ladder_of(raw)
     for run in plan.runs:
         if run.name in runs:
@@ -163,9 +165,13 @@ def read_seed_key(raw: Any) -> str:
         return "train.seed"
     seed_key = raw[SEED_KEY_KEY]
     if seed_key not in SEED_KEYS:
-        raise ConfigError(f"{SEED_KEY_KEY}: {seed_key!r} is not one of {list(SEED_KEYS)} (the key {SEEDS_KEY}: sets)")
+        raise ConfigError(
+            f"{SEED_KEY_KEY}: {seed_key!r} is not one of {list(SEED_KEYS)} (the key {SEEDS_KEY}: sets)"
+        )
     if SEEDS_KEY not in raw:
-        raise ConfigError(f"{SEED_KEY_KEY}: names the key {SEEDS_KEY}: sets, and this config has no {SEEDS_KEY}:")
+        raise ConfigError(
+            f"{SEED_KEY_KEY}: names the key {SEEDS_KEY}: sets, and this config has no {SEEDS_KEY}:"
+        )
     return seed_key
 
 

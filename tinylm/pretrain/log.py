@@ -12,9 +12,9 @@ import time
 import torch
 
 from tinylm.config import TrainConfig
+from tinylm.flops import flops_per_token
 from tinylm.model import Transformer
 from tinylm.parallel import RankContext
-from tinylm.flops import flops_per_token
 from tinylm.throughput import StepMeter, peak_flops
 
 STAGE = "pretrain"

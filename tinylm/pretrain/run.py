@@ -19,6 +19,7 @@ import torch
 from tinylm.checkpoint import Manifest
 from tinylm.config import Config, config_hash, run_hash, weight_config
 from tinylm.data import load_tokens
+from tinylm.flops import flops_per_token
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.parallel import launch
@@ -31,7 +32,6 @@ from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.state import newest_intact_step
 from tinylm.pretrain.steps import committed_steps, step_manifest
-from tinylm.flops import flops_per_token
 from tinylm.tokenizer import Tokenizer
 
 
