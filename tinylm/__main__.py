@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from tinylm.config import RESULTS, Config, ConfigError, from_dict, load_config, run_state_dir
 from tinylm.io import exit_now, stderr_copied_to
@@ -295,6 +296,33 @@ def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     print(markdown_table(final_figures(table)), file=sys.stderr)
 
 
+def cmd_scaling_laws(cfg: Config, args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from tinylm.scaling_laws import read_points, scaling_laws, summary, write_report
+
+    text = args.runs_json
+    if text.startswith("@"):
+        text = _read_text(text[1:], "--runs-json")
+    try:
+        runs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--runs-json: not valid JSON: {e}") from None
+    train_tokens = len(np.load(args.train_tokens, mmap_mode="r")) if args.train_tokens else None
+    points = read_points(runs, train_tokens)
+    if train_tokens:
+        print(
+            f"scaling-laws: {len(points)} runs, {points['epochs'].min():.2f} to {points['epochs'].max():.2f} "
+            f"epochs of the {train_tokens:,} training tokens",
+            file=sys.stderr,
+        )
+    report = scaling_laws(points, cfg.ladder)
+    out = Path(args.output_dir)
+    tables = {name: out / f"{name}.csv" for name in ("fits", "isoflop", "predictions", "points")}
+    write_report(report, tables, out / "scaling_laws.png")
+    print(summary(report), file=sys.stderr)
+
+
 def cmd_config_docs(cfg: Config | None, args: argparse.Namespace) -> None:
     from tinylm.config import docs as config_docs
 
@@ -449,6 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--output)",
     )
     p.add_argument("--plot", default=f"{RESULTS}/compare.png")
+
+    p = stage(
+        "scaling-laws",
+        cmd_scaling_laws,
+        "a ladder's final evaluations -> fits.csv, isoflop.csv, predictions.csv, points.csv and "
+        "scaling_laws.png (config: ladder)",
+    )
+    p.add_argument(
+        "--runs-json",
+        required=True,
+        help='the ladder\'s runs as JSON, or @FILE to read it from FILE: [{"name", "config", "seed", '
+        '"budget", "parameters", "tokens", "steps", "eval"}, ...] (what the workflow\'s rule gives)',
+    )
+    p.add_argument("--train-tokens", default=None, help="train.npy of the runs, to report their epochs")
+    p.add_argument("--output-dir", default=f"{RESULTS}/scaling_laws")
 
     about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
     p = sub.add_parser("config-docs", help=about, description=about)
