@@ -5,7 +5,7 @@ cannot use with one line naming the key. The data-order seed beside it."""
 import pytest
 import torch
 import yaml
-from helpers import ROOT
+from helpers import ROOT, final_payload, logged_losses, pretrain_ok, write_tiny_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from tinylm.config import ConfigError, data_hash, ladder_of, run_configs, run_hash, seed_runs, weight_config
@@ -188,3 +188,35 @@ def test_the_flop_count_needs_no_torch():
     code = "import sys, tinylm.config, tinylm.flops; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_data_seed_moves_the_data_order_and_keeps_the_initialisation(tiny_data, tmp_path):
+    """Two steps at a learning rate too small to move the weights far from their initialisation: a data
+    seed equal to the seed is the same run bit for bit; another data seed keeps the initialisation (the
+    weights stay within the two updates' reach) but trains on other batches (another first loss); another
+    seed with the same data order starts elsewhere."""
+    finals, first_losses = {}, {}
+    for name, seed, data_seed in [("a", 0, None), ("b", 0, 0), ("c", 0, 1), ("d", 1, 0)]:
+        config = write_tiny_config(
+            tmp_path / f"{name}.yaml",
+            train=dict(
+                world_size=1,
+                max_iters=2,
+                warmup_iters=1,
+                lr_max=1e-6,
+                lr_min=1e-7,
+                seed=seed,
+                data_seed=data_seed,
+                checkpoint_interval=2,
+            ),
+        )
+        stderr = pretrain_ok(tiny_data, config, tmp_path / name)
+        first_losses[name] = logged_losses(stderr)[1]
+        finals[name] = final_payload(tmp_path / name)["model"]
+    for key, value in finals["a"].items():
+        assert torch.equal(value, finals["b"][key]), key
+    assert first_losses["a"] == first_losses["b"] and first_losses["a"] != first_losses["c"]
+    reach = max((finals["a"][k] - finals["c"][k]).abs().max().item() for k in finals["a"])
+    assert 0 < reach < 1e-4
+    apart = max((finals["a"][k] - finals["d"][k]).abs().max().item() for k in finals["a"])
+    assert apart > 1e-2

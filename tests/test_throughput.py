@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tinylm.flops import flops_per_token
+from tinylm.flops import flops_per_token, matmul_weights
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
 from tinylm.throughput import GPU_PEAK_FLOPS, gpu_entry, mfu, peak_flops
@@ -28,6 +28,21 @@ def test_flops_per_token_equals_torch_flop_counter_over_a_training_step(shape):
         cross_entropy(model(ids[:, :-1]), ids[:, 1:]).backward()
     tokens = 2 * shape["context_length"]
     assert counter.get_total_flops() == flops_per_token(shape) * tokens
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48),
+        dict(vocab_size=300, context_length=24, d_model=48, num_layers=1, num_heads=2, d_ff=128),
+    ],
+)
+def test_matmul_weights_are_the_models_weight_matrices_but_the_embedding_table(shape):
+    model = Transformer(**shape)
+    matrices = [
+        p for name, p in model.named_parameters() if p.dim() == 2 and not name.startswith("token_embeddings")
+    ]
+    assert matmul_weights(shape) == sum(p.numel() for p in matrices)
 
 
 def test_peak_flops_by_device_name_and_dtype(monkeypatch):
