@@ -89,3 +89,26 @@ def test_the_muon_recipe_is_the_default_with_the_labs_muon_run():
     for sweep in ("sweep_muon.yaml", "sweep_default_recipe.yaml", "sweep_lab.yaml"):
         runs = run_configs(read_config_file(ROOT / "config" / sweep))
         assert runs["default"] == at_1000 and len(runs) > 2, sweep
+
+
+@pytest.mark.parametrize(
+    "files, runs",
+    [(["ladder.yaml"], 38), (["fineweb-edu.yaml", "ladder_fineweb.yaml"], 24)],
+)
+def test_the_ladders_plan_the_runs_their_headers_say(tmp_path, files, runs):
+    (tmp_path / "config").mkdir()
+    shutil.copy(ROOT / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
+    for name in files:
+        shutil.copy(ROOT / "config" / name, tmp_path / "config" / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
+         "--directory", str(tmp_path), "--cores", "2", "results/scaling_laws/fits.csv", "--dry-run",
+         "--configfile", *(str(tmp_path / "config" / name) for name in files)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout, flags=re.MULTILINE))
+    assert int(jobs["pretrain"]) == int(jobs["evaluate"]) == runs
+    assert jobs["scaling_laws"] == "1"
+    header = (ROOT / "config" / files[-1]).read_text()
+    assert f"{runs} runs" in header
