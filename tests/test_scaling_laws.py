@@ -42,7 +42,7 @@ def synthetic_points(noise: float, seed: int = 0, seeds: int = 2) -> pd.DataFram
 
 
 def ladder(**keys) -> SimpleNamespace:
-    defaults = dict(holdout=True, predict=[2.56e17], bootstrap=60, bootstrap_seed=0, confidence=0.9)
+    defaults = dict(holdout=True, predict=[2.56e17], bootstrap=40, bootstrap_seed=0, confidence=0.9)
     return SimpleNamespace(**{**defaults, **keys})
 
 
@@ -107,7 +107,7 @@ def test_bootstrap_intervals_cover_the_truth_and_the_held_out_budget_is_predicte
         lo, hi = fits.loc[("all", quantity), ["lo", "hi"]]
         assert lo <= TRUE[quantity] <= hi, (quantity, lo, hi)
         assert hi - lo < 0.2
-    assert (report.fits["resamples"] + report.fits["failed"] == 60).all()
+    assert (report.fits["resamples"] + report.fits["failed"] == 40).all()
     held = report.predictions[report.predictions["held_out"]].iloc[0]
     assert held["budget"] == BUDGETS[-1]
     truth = optimal_n(TRUE, BUDGETS[-1])
