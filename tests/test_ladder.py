@@ -122,6 +122,8 @@ def test_ladder_runs_are_seeded_and_share_the_data():
         ({"budgets": [1.0e9, 2.0e9, 4.0e9]}, {}, "ladder.budgets: 3 budgets are too few"),
         ({"budgets": [1.0e9, 2.0e9, 4.0e9], "holdout": False}, {}, None),
         ({"shapes": SHAPES[:2]}, {}, "ladder.shapes: 2 shapes are too few"),
+        ({"budgets": [1.0e9, 1.0000001e9, 4.0e9, 8.0e9]}, {}, "ladder.budgets: must be positive numbers"),
+        ({"budgets": [-1.0e9, 2.0e9, 4.0e9, 8.0e9]}, {}, "ladder.budgets: must be positive numbers"),
         ({"budgets": [1.0e3, 2.0e9, 4.0e9, 8.0e9]}, {}, "ladder.budgets: 1e+03 FLOPs: 0 of the shapes"),
         ({"head_size": 32}, {}, "ladder.shapes[0]: d_model 16 / ladder.head_size 32 is not a whole number"),
         ({"shapes": [*SHAPES, SHAPES[0]]}, {}, "ladder.shapes[3]: d16L1 is given twice"),

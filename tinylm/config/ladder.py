@@ -149,7 +149,7 @@ def shape_of(entry: Any, ladder: LadderConfig, where: str) -> tuple[str, dict[st
             f"heads; give the shape its num_heads or pick another d_model"
         )
     rule_heads = d_model // ladder.head_size
-    rule_d_ff = ladder.d_ff_multiple * math.ceil(8 * d_model / (3 * ladder.d_ff_multiple))
+    rule_d_ff = ladder.d_ff_multiple * -(-8 * d_model // (3 * ladder.d_ff_multiple))  # ceil, in integers
     num_heads, d_ff = entry.get("num_heads", rule_heads), entry.get("d_ff", rule_d_ff)
     name = f"d{d_model}L{num_layers}"
     name += "" if num_heads == rule_heads else f"h{num_heads}"
@@ -176,8 +176,12 @@ def ladder_plan(cfg: Config) -> LadderPlan:
             f"D_opt(C) need at least {MIN_POINTS}"
             + (", and ladder.holdout one more to hold out" if ladder.holdout else "")
         )
-    if any(b <= 0 for b in ladder.budgets) or len(set(ladder.budgets)) != len(ladder.budgets):
-        raise ConfigError(f"ladder.budgets: must be distinct positive numbers of FLOPs, got {ladder.budgets}")
+    labels = [budget_label(b) if b > 0 else "" for b in ladder.budgets]
+    if any(b <= 0 for b in ladder.budgets) or len(set(labels)) != len(labels):
+        raise ConfigError(
+            f"ladder.budgets: must be positive numbers of FLOPs, distinct in their first 6 digits (they "
+            f"name the runs), got {ladder.budgets}"
+        )
     if len(ladder.shapes) < MIN_POINTS:
         raise ConfigError(
             f"ladder.shapes: {len(ladder.shapes)} shapes are too few: each budget's parabola needs at least "
