@@ -407,13 +407,20 @@ def summary(report: Report) -> str:
             )
     held = report.predictions[report.predictions["held_out"]]
     for _, row in held.iterrows():
-        lines.append(
+        predicted = (
             f"held-out budget {row['budget']:.3g}: predicted N_opt {row['n_opt']:,.0f} "
-            f"[{row['n_opt_lo']:,.0f}, {row['n_opt_hi']:,.0f}], measured {row['measured_n_opt']:,.0f} "
-            f"({100 * row['n_opt_error']:+.1f} %); predicted loss {row['loss']:.4f} "
-            f"[{row['loss_lo']:.4f}, {row['loss_hi']:.4f}], measured {row['measured_loss_opt']:.4f} "
-            f"({row['loss_error']:+.4f} nats)"
+            f"[{row['n_opt_lo']:,.0f}, {row['n_opt_hi']:,.0f}], loss {row['loss']:.4f} "
+            f"[{row['loss_lo']:.4f}, {row['loss_hi']:.4f}]"
         )
+        if math.isnan(row["measured_n_opt"]):
+            measured = f"measured: no interior minimum, best run {row['measured_best_loss']:.4f}"
+        else:
+            measured = (
+                f"measured N_opt {row['measured_n_opt']:,.0f} ({100 * row['n_opt_error']:+.1f} %), loss "
+                f"{row['measured_loss_opt']:.4f} ({row['loss_error']:+.4f} nats; best run "
+                f"{row['measured_best_loss']:.4f})"
+            )
+        lines.append(f"{predicted}; {measured}")
     return "\n".join(lines)
 
 
