@@ -42,7 +42,9 @@ def synthetic_points(noise: float, seed: int = 0, seeds: int = 2) -> pd.DataFram
 
 
 def ladder(**keys) -> SimpleNamespace:
-    defaults = dict(holdout=True, predict=[2.56e17], bootstrap=40, bootstrap_seed=0, confidence=0.9)
+    defaults = dict(
+        isoflop_shapes=None, holdout=True, predict=[2.56e17], bootstrap=40, bootstrap_seed=0, confidence=0.9
+    )
     return SimpleNamespace(**{**defaults, **keys})
 
 
@@ -74,6 +76,27 @@ def test_a_parabola_through_exact_points_has_its_vertex_and_flags_a_missing_mini
     assert not falling.interior and np.isnan(falling.n_opt)
     with pytest.raises(sl.FitError, match="2 distinct shapes"):
         sl.fit_isoflop(1e12, n[[0, 0, 1]], d[[0, 0, 1]], loss[[0, 0, 1]])
+
+
+def test_the_window_keeps_the_shapes_nearest_the_best_and_brings_a_lopsided_minimum_inside():
+    """Shapes from 1x to 64x the optimum, a loss that rises steeply on the large side: the parabola
+    through all of them puts its vertex below the smallest shape; through the 4 nearest the best it
+    finds the minimum between the first two."""
+    n = 1e5 * 2.0 ** np.arange(7)
+    loss = 3.0 + 0.02 * (np.log(n / 1.3e5)) ** 2 + 0.05 * np.maximum(0, np.log(n / 2e5)) ** 1.2
+    group = pd.DataFrame({"budget": 1e12, "n": np.repeat(n, 2), "d": np.repeat(1e12 / (6 * n), 2),
+                          "loss": np.repeat(loss, 2) + np.tile([0.0, 0.001], 7)})  # fmt: skip
+    near = sl.nearest_shapes(group, 4)
+    best = n[np.argmin(loss)]
+    expected = sorted(n, key=lambda x: abs(np.log(x / best)))[:4]  # brute force
+    assert sorted(near["n"].unique()) == sorted(expected) and len(near) == 8
+    assert sl.nearest_shapes(group, None) is group
+    everything = sl.fit_isoflop(1e12, *(group[c].to_numpy() for c in ("n", "d", "loss")))
+    windowed = sl.fit_isoflop(1e12, *(near[c].to_numpy() for c in ("n", "d", "loss")))
+    assert windowed.interior and n[0] <= windowed.n_opt <= n[1]
+    assert windowed.n_range == (min(expected), max(expected))
+    vertex = np.exp(-everything.coefficients[1] / (2 * everything.coefficients[0]))
+    assert not everything.interior and vertex < n[0]
 
 
 def test_known_exponents_are_fitted_back_from_noisy_losses():

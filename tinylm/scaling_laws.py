@@ -5,7 +5,8 @@ The points are the ladder's runs (tinylm/config/ladder.py), one per (budget C, s
 shape's matmul weights (tinylm/flops.py), D its training tokens, L the final checkpoint's exact
 validation loss (nats per token, the last row of its eval.csv). From them:
 
-- per budget, a parabola L = p0 (ln N)^2 + p1 ln N + p2 through its points (every seed), np.polyfit;
+- per budget, a parabola L = p0 (ln N)^2 + p1 ln N + p2 through its points (every seed), np.polyfit
+  (with `ladder.isoflop_shapes`, through the points of that many shapes nearest its best one);
   its minimum is N_opt(C) and L_opt(C), and D_opt(C) is a line ln D = q0 ln N + q1 through the same
   points at ln N_opt (Chinchilla's first approach, the IsoFLOP profiles). A budget whose parabola
   opens downwards, or whose minimum lies outside its shapes' range of N, has no interior minimum:
@@ -70,6 +71,7 @@ class IsoFLOP:
     d_opt: float
     loss_opt: float
     interior: bool
+    n_range: tuple[float, float]  # the smallest and largest N of the points it is fitted to
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def fit_isoflop(budget: float, n: np.ndarray, d: np.ndarray, loss: np.ndarray) -
     """The parabola of one budget's points in ln N, its minimum and D there; see the module doc."""
     log_n = np.log(n)
     shapes = len(np.unique(n))
+    n_range = (float(n.min()), float(n.max()))
     if shapes < 3:
         raise FitError(f"budget {budget:.3g}: {shapes} distinct shapes, a parabola needs 3")
     coefficients = np.polyfit(log_n, loss, 2)
@@ -120,7 +123,9 @@ def fit_isoflop(budget: float, n: np.ndarray, d: np.ndarray, loss: np.ndarray) -
     vertex = -coefficients[1] / (2 * curvature) if curvature > 0 else math.nan
     interior = bool(curvature > 0 and log_n.min() <= vertex <= log_n.max())
     if not interior:
-        return IsoFLOP(budget, len(n), shapes, tuple(coefficients), math.nan, math.nan, math.nan, False)
+        return IsoFLOP(
+            budget, len(n), shapes, tuple(coefficients), math.nan, math.nan, math.nan, False, n_range
+        )
     slope, intercept = np.polyfit(log_n, np.log(d), 1)
     return IsoFLOP(
         budget,
@@ -131,6 +136,7 @@ def fit_isoflop(budget: float, n: np.ndarray, d: np.ndarray, loss: np.ndarray) -
         float(np.exp(slope * vertex + intercept)),
         float(np.polyval(coefficients, vertex)),
         True,
+        n_range,
     )
 
 
@@ -215,13 +221,29 @@ def _theta(parametric: dict[str, float]) -> np.ndarray:
     return np.array([math.log(p["A"]), math.log(p["B"]), math.log(p["E"]), p["alpha"], p["beta"]])
 
 
-def fit_laws(points: pd.DataFrame, start: Laws | None = None, quiet: bool = True) -> Laws:
-    """Every fit of `points` (columns budget, n, d, loss). `start`: a fit whose parametric law seeds
-    this one's too. Raises FitError when fewer than 3 budgets have an interior minimum."""
-    isoflops = [
-        fit_isoflop(budget, group["n"].to_numpy(), group["d"].to_numpy(), group["loss"].to_numpy())
-        for budget, group in points.groupby("budget", sort=True)
-    ]
+def nearest_shapes(group: pd.DataFrame, window: int | None) -> pd.DataFrame:
+    """The points of one budget whose N is among the `window` shapes nearest, in ln N, to the shape
+    of lowest mean loss over its seeds (None: every point)."""
+    if window is None:
+        return group
+    mean = group.groupby("n")["loss"].mean()
+    best = np.log(mean.idxmin())
+    distance = pd.Series(np.abs(np.log(mean.index.to_numpy()) - best), index=mean.index)
+    kept = distance.sort_values(kind="stable").index[:window]
+    return group[group["n"].isin(kept)]
+
+
+def fit_laws(
+    points: pd.DataFrame, window: int | None = None, start: Laws | None = None, quiet: bool = True
+) -> Laws:
+    """Every fit of `points` (columns budget, n, d, loss); each budget's parabola through the points of
+    its `window` shapes nearest its best (`nearest_shapes`; None: all of them). `start`: a fit whose
+    parametric law seeds this one's too. Raises FitError when fewer than 3 budgets have an interior
+    minimum."""
+    isoflops = []
+    for budget, group in points.groupby("budget", sort=True):
+        near = nearest_shapes(group, window)
+        isoflops.append(fit_isoflop(budget, *(near[c].to_numpy() for c in ("n", "d", "loss"))))
     interior = [iso for iso in isoflops if iso.interior]
     if not quiet:
         for iso in isoflops:
@@ -247,7 +269,13 @@ def fit_laws(points: pd.DataFrame, start: Laws | None = None, quiet: bool = True
 
 
 def bootstrap(
-    points: pd.DataFrame, laws: Laws, samples: int, seed: int, budgets: list[float], label: str = ""
+    points: pd.DataFrame,
+    laws: Laws,
+    samples: int,
+    seed: int,
+    budgets: list[float],
+    window: int | None = None,
+    label: str = "",
 ) -> tuple[pd.DataFrame, int]:
     """Each quantity of `Laws.values` and each prediction at `budgets`, over `samples` resamples of
     the points within each budget; (one row per resample that fitted, the number that failed)."""
@@ -257,7 +285,7 @@ def bootstrap(
     for i in range(samples):
         chosen = np.concatenate([rng.choice(index, size=len(index), replace=True) for index in groups])
         try:
-            resampled = fit_laws(points.loc[chosen].reset_index(drop=True), start=laws)
+            resampled = fit_laws(points.loc[chosen].reset_index(drop=True), window, start=laws)
         except FitError:
             failed += 1
             continue
@@ -325,7 +353,7 @@ class Report:
 
 def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
     """Every fit of the stage, with intervals, for `points` (`read_points`) and `ladder` (the
-    LadderConfig: holdout, predict, bootstrap, bootstrap_seed, confidence)."""
+    LadderConfig: isoflop_shapes, holdout, predict, bootstrap, bootstrap_seed, confidence)."""
     budgets = sorted(points["budget"].unique())
     fits = {"all": points}
     if ladder.holdout:
@@ -335,12 +363,12 @@ def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
     fit_rows, iso_rows, prediction_rows, laws = [], [], [], {}
     for name, subset in fits.items():
         try:
-            law = fit_laws(subset, quiet=False)
+            law = fit_laws(subset, ladder.isoflop_shapes, quiet=False)
         except FitError as e:
             raise FitError(f"fit {name!r}: {e}") from None
         laws[name] = law
         samples, failed = bootstrap(
-            subset, law, ladder.bootstrap, ladder.bootstrap_seed, predict, label=f" ({name})"
+            subset, law, ladder.bootstrap, ladder.bootstrap_seed, predict, ladder.isoflop_shapes, f" ({name})"
         )
         ok = len(samples)
         for quantity, value in law.values().items():
@@ -363,6 +391,8 @@ def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
                     "budget": iso.budget,
                     "points": iso.num_points,
                     "shapes": iso.num_shapes,
+                    "n_min": iso.n_range[0],
+                    "n_max": iso.n_range[1],
                     "interior": iso.interior,
                     "n_opt": iso.n_opt,
                     "d_opt": iso.d_opt,
@@ -379,9 +409,8 @@ def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
             prediction_rows.append(row)
     predictions = pd.DataFrame(prediction_rows)
     # What the largest budget measured, beside every prediction of it.
-    measured = fit_isoflop(
-        budgets[-1], *(points[points["budget"] == budgets[-1]][c].to_numpy() for c in ("n", "d", "loss"))
-    )
+    largest = nearest_shapes(points[points["budget"] == budgets[-1]], ladder.isoflop_shapes)
+    measured = fit_isoflop(budgets[-1], *(largest[c].to_numpy() for c in ("n", "d", "loss")))
     best = points[points["budget"] == budgets[-1]]["loss"].min()
     at_largest = predictions["budget"] == budgets[-1]
     predictions["measured_n_opt"] = np.where(at_largest, measured.n_opt, math.nan)
@@ -455,7 +484,7 @@ def plot(report: Report, path: str | os.PathLike) -> None:
         colour = colours(i / max(1, len(budgets) - 1))
         here = points[points["budget"] == iso.budget]
         ax.scatter(here["n"], here["loss"], color=colour, s=14, label=f"C = {iso.budget:.3g}")
-        grid = np.linspace(np.log(here["n"].min()), np.log(here["n"].max()), 100)
+        grid = np.linspace(*np.log(iso.n_range), 100)  # over the shapes it is fitted to
         ax.plot(np.exp(grid), np.polyval(iso.coefficients, grid), color=colour, lw=1)
         if iso.interior:
             ax.scatter(

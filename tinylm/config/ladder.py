@@ -73,6 +73,14 @@ class LadderConfig:
     warmup_fraction: float = key(
         0.05, lo=0.0, hi=0.5, help="each run's `train.warmup_iters`, as a share of its steps (rounded)"
     )
+    isoflop_shapes: int | None = key(
+        None,
+        lo=3,
+        help="each budget's parabola through this many shapes nearest (in log N) its best one; `null` = all",
+        more="The shape of lowest mean loss over its seeds and its nearest neighbours: a parabola is a "
+        "good description of the loss near its minimum only, and shapes far to one side pull its vertex "
+        "off (`scaling-laws` says when a budget has no interior minimum)",
+    )
     holdout: bool = key(
         True,
         help="fit without the largest budget too, and check what that fit predicts for it",
