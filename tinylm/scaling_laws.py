@@ -349,6 +349,7 @@ class Report:
     predictions: pd.DataFrame
     points: pd.DataFrame
     laws: dict[str, Laws]  # "all" and, with a held-out budget, "holdout"
+    confidence: float  # the intervals' coverage
 
 
 def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
@@ -418,17 +419,20 @@ def scaling_laws(points: pd.DataFrame, ladder: Any) -> Report:
     predictions["measured_best_loss"] = np.where(at_largest, best, math.nan)
     predictions["n_opt_error"] = predictions["n_opt"] / predictions["measured_n_opt"] - 1
     predictions["loss_error"] = predictions["loss"] - predictions["measured_loss_opt"]
-    return Report(pd.DataFrame(fit_rows), pd.DataFrame(iso_rows), predictions, points, laws)
+    return Report(
+        pd.DataFrame(fit_rows), pd.DataFrame(iso_rows), predictions, points, laws, ladder.confidence
+    )
 
 
 def summary(report: Report) -> str:
     """A few lines for the terminal: the exponents with their intervals and the held-out check."""
     lines = []
-    confidence = "interval"
+    confidence = f"{100 * report.confidence:g} % bootstrap interval"
     for name in report.laws:
         fits = report.fits[report.fits["fit"] == name].set_index("quantity")
         title = "all budgets" if name == "all" else "without the largest budget"
-        lines.append(f"scaling laws ({title}, {int(fits['resamples'].iloc[0])} resamples):")
+        resamples, failed = int(fits["resamples"].iloc[0]), int(fits["failed"].iloc[0])
+        lines.append(f"scaling laws ({title}; {resamples} resamples, {failed} without a fit left out):")
         for quantity in ("N_opt_b", "D_opt_d", "alpha", "beta", "E"):
             row = fits.loc[quantity]
             lines.append(
