@@ -581,6 +581,10 @@ def test_every_readme_command_runs(extended_run, tmp_path):
     for info, lines in readme_code_blocks():  # files the README shows, such as config/my_sweep.yaml
         if info == "yaml" and lines[0].startswith("# config/"):
             (workdir / lines[0][2:]).write_text("\n".join(lines) + "\n")
+    for command in readme_commands():  # the shipped config files a command names (config/ladder.yaml)
+        for name in re.findall(r"--configfile (config/\S+\.yaml)", command):
+            if not (workdir / name).exists():
+                shutil.copy(ROOT / name, workdir / name)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
