@@ -74,12 +74,17 @@ def sharded_muon_matches_muon(ctx, out_dir: str) -> None:
         assert worst <= 1e-6, f"step {step}: {worst}"
 
     params = [p for group in opt.param_groups for p in group["params"]]
-    owned = [i for i, p in enumerate(params) if opt.owner[p] == ctx.rank]
-    assert set(opt.state) == {params[i] for i in owned}  # state for this rank's share only
+    ranges = opt.held_ranges()
+    owned = sorted(ranges)
     matrices = set(opt.param_groups[0]["params"])
-    for p, state in opt.state.items():
-        if p in matrices:
-            assert set(state) == {"momentum_buffer"} and state["momentum_buffer"].shape == p.shape  # whole
+    for i, (start, stop) in ranges.items():
+        if params[i] in matrices:
+            assert (start, stop) == (0, params[i].numel()), f"matrix {i} split: {start}..{stop}"
+    state = opt.local_state()
+    assert len(state) == len(ranges)  # state for this rank's pieces only
+    for p in matrices:
+        if p in state:  # held whole: the local optimizer steps the matrix itself
+            assert set(state[p]) == {"momentum_buffer"} and state[p]["momentum_buffer"].shape == p.shape
 
     full = opt.state_dict()
     expected = ref_opt.state_dict()
@@ -116,6 +121,8 @@ def sharded_muon_matches_muon(ctx, out_dir: str) -> None:
         json.dumps(
             {
                 "owned": owned,
+                "elements": {i: stop - start for i, (start, stop) in ranges.items()},
+                "numel": [p.numel() for p in params],
                 "num_parameters": len(params),
                 "worst": worst,
                 "owned_matrices": sum(1 for i in owned if params[i] in matrices),

@@ -41,7 +41,8 @@ def _train(model, extra, opt, steps, add_extra_at=None):
 def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str, bucket_mb: float) -> None:
     """ShardedOptimizer(AdamW) equals AdamW for 11 steps; its state is sharded and consolidates.
 
-    The parameters live in the owners' flat buffers, and a step broadcasts those in buckets (the
+    Every rank computes the same full gradients (no DDP), so each reads only its pieces. The
+    parameters live in the buckets' flat buffers, and a step all-gathers each bucket once (the
     11th step counts them). Then the consolidated state dict must equal the plain optimizer's,
     survive torch.save/torch.load with weights_only=True, load into a plain AdamW and into a fresh
     ShardedOptimizer, and all three must continue training identically.
@@ -61,40 +62,42 @@ def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str, bucket_mb: flo
         assert (extra - ref_extra).abs().max().item() <= 1e-6
     all_params = [p for group in opt.param_groups for p in group["params"]]
 
-    # Communication: the parameters are views into the owners' flat buffers, which a step
-    # broadcasts in buckets of at most bucket_mb, one collective per bucket.
-    flats = {flat.untyped_storage().data_ptr() for _, flat in opt._flat}
-    assert all(p.untyped_storage().data_ptr() in flats for p in all_params)
-    broadcasts = []
-    original_broadcast = dist.broadcast
+    # Communication: the parameters are views into the buckets' flat buffers, and a step
+    # all-gathers each bucket once, none per parameter.
+    buffers = {bucket.data.untyped_storage().data_ptr() for bucket in opt.buckets}
+    assert all(p.untyped_storage().data_ptr() in buffers for p in all_params)
+    gathers = []
+    original = dist.all_gather_single
 
-    def counting_broadcast(tensor, *args, **kwargs):
-        broadcasts.append(tensor.numel() * tensor.element_size())
-        return original_broadcast(tensor, *args, **kwargs)
+    def counting_all_gather(output, *args, **kwargs):
+        gathers.append(output.numel() * output.element_size())
+        return original(output, *args, **kwargs)
 
-    dist.broadcast = counting_broadcast
+    dist.all_gather_single = counting_all_gather
     try:
         _train(model, extra, opt, [10])
     finally:
-        dist.broadcast = original_broadcast
+        dist.all_gather_single = original
     _train(reference, ref_extra, ref_opt, [10])
     assert_params_close(model, reference, 1e-6, "step 10")
 
-    # Sharding: disjoint shares that cover everything, balanced by elements, state only for the share.
-    index = {p: i for i, p in enumerate(all_params)}
-    owned = sorted(index[p] for group in opt.local_optimizer.param_groups for p in group["params"])
-    shares: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(shares, owned)
-    assert sorted(i for share in shares for i in share) == list(range(len(all_params)))
-    owned_elements = sum(all_params[i].numel() for i in owned)
+    # Sharding: the ranks' ranges of each parameter tile it; state only for what a rank holds.
+    ranges = opt.held_ranges()
+    shares: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(shares, ranges)
+    for i, p in enumerate(all_params):
+        spans = sorted(share[i] for share in shares if i in share)
+        assert spans[0][0] == 0 and spans[-1][1] == p.numel(), f"parameter {i}: {spans}"
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), f"parameter {i}: {spans}"
+    held_elements = sum(stop - start for start, stop in ranges.values())
     # Only parameters that ever had a gradient have state (not `unused`, not `extra` of the model).
     ref_params = [p for group in ref_opt.param_groups for p in group["params"]]
-    stateful = [i for i in owned if ref_params[i] in ref_opt.state]
-    assert set(opt.state) == {all_params[i] for i in stateful}
+    stateful = [i for i in ranges if ref_params[i] in ref_opt.state]
+    state = opt.local_state()
     state_elements = sum(
-        v.numel() for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")
+        v.numel() for s in state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")
     )
-    assert state_elements == 2 * sum(all_params[i].numel() for i in stateful)
+    assert state_elements == 2 * sum(ranges[i][1] - ranges[i][0] for i in stateful)
 
     # Consolidated state: the plain optimizer's format and values, loadable with weights_only=True.
     full = opt.state_dict()
@@ -130,22 +133,37 @@ def sharded_matches_adamw(ctx, out_dir: str, optimizer_name: str, bucket_mb: flo
         out_dir,
         rank,
         {
-            "owned_elements": owned_elements,
-            "state_elements": state_elements,
+            "held_elements": held_elements,
             "total_elements": sum(p.numel() for p in all_params),
-            "largest": max(p.numel() for p in all_params),
-            "broadcasts": broadcasts,
+            "gathers": gathers,
+            "buckets": len(opt.buckets),
+            "split": sum(0 < b - a < all_params[i].numel() for i, (a, b) in ranges.items()),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in all_params),
             "num_parameters": len(all_params),
         },
     )
 
 
-def sharded_balances(ctx, out_dir: str, sizes: list[int]) -> None:
-    """Report how many elements this rank owns among parameters of the given sizes."""
-    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
-    opt = ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)
-    owned = [i for i, p in enumerate(params) if opt.owner[p] == ctx.rank]
-    local = [p for group in opt.local_optimizer.param_groups for p in group["params"]]
-    assert [params[i] for i in owned] == local
-    write_result(out_dir, ctx.rank, {"owned": owned, "elements": sum(sizes[i] for i in owned)})
+def sharded_balances(ctx, out_dir: str, shape: dict, train_keys: dict) -> None:
+    """A Transformer's run optimizer sharded over this world: the elements and the optimizer state
+    bytes this rank holds after one step (every gradient set), for the memory plan's check."""
+    from tinylm.config import TrainConfig
+    from tinylm.model import Transformer
+    from tinylm.pretrain.optimizer import build_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(**shape)
+    train = TrainConfig(**train_keys)
+    opt = build_optimizer(model, train, ctx.world_size)
+    assert isinstance(opt, ShardedOptimizer)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for s in opt.local_state().values()
+        for name, v in s.items()
+        if isinstance(v, torch.Tensor) and name != "step"
+    )
+    held = sum(stop - start for start, stop in opt.held_ranges().values())
+    write_result(out_dir, ctx.rank, {"elements": held, "state_bytes": state_bytes})

@@ -83,9 +83,14 @@ def _tensors(tree):
 
 
 def own_share(model, optimizer, rank):
-    """(bytes of the parameters this rank owns, bytes of its optimizer state)."""
-    params = [p for p in model.parameters() if optimizer.owner.get(p) == rank]
-    return sum(p.numel() * p.element_size() for p in params), _tensor_bytes(dict(optimizer.state))
+    """(bytes of the parameters this rank writes, bytes of the optimizer state it writes):
+    the parameters whose first element it holds, and its pieces of the state."""
+    from tinylm.parallel.sharded import parameter_writers
+
+    writers = parameter_writers(optimizer)
+    params = [p for p in model.parameters() if writers.get(p) == rank]
+    pieces = [tensor for _, _, _, tensor in optimizer.state_pieces()]
+    return sum(p.numel() * p.element_size() for p in params), _tensor_bytes(pieces)
 
 
 def save_sharded(ctx, state_dir: str, out_dir: str, steps: int) -> None:
@@ -122,11 +127,26 @@ def restore_sharded_and_continue(ctx, state_dir: str, out_dir: str, steps: int, 
     read = counter.read
     assert rest["iteration"] == steps and rest["tokens_seen"] == 20 * steps
     assert [entry["rank"] for entry in rest["rng"]] == [0, 1]  # saved by two ranks
-    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
-    owned_params, owned_state = own_share(model, optimizer, ctx.rank)
+    assert all(state["step"].device.type == "cpu" for state in optimizer.local_state().values())
+    owned_params, _ = own_share(model, optimizer, ctx.rank)
+    owned_state = _tensor_bytes(list(optimizer.local_state().values()))
     train_toy(model, optimizer, range(steps, steps + more))
     if ctx.is_main:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out_dir, "params.pt"))
+    # Then this world size saves its own step (its state re-sliced), for a resume at another one.
+    from tinylm.pretrain.state import save_step
+
+    resaved = Path(out_dir, "state")
+    save_step(
+        ctx,
+        resaved,
+        steps + more,
+        model,
+        optimizer,
+        manifest=Manifest(seed=0),
+        entries={"tokens_seen": 20 * (steps + more)},
+        per_rank={"rng": {"rank": ctx.rank}},
+    )
     write_result(out_dir, ctx.rank, {"read": read, "owned_params": owned_params, "owned_state": owned_state})
 
 

@@ -222,6 +222,46 @@ def test_ranks_fill_their_own_tensors_of_one_planned_file(tmp_path):
     assert_same(torch.load(path, weights_only=True), payload)
 
 
+def test_a_tensor_written_in_pieces_reads_whole_and_by_range_and_a_missing_piece_is_refused(tmp_path):
+    """A sharded optimizer's state tensor is written by its ranks in pieces (tinylm/pretrain/state.py):
+    the manifest lists each piece, the whole tensor and any range of it read back (checked against
+    the slices of the original, brute force over every range), and a gap or a damaged piece fails."""
+    from tinylm.checkpoint import pieces as ckpt
+
+    payload = _mixed_payload()
+    exp_avg = payload["optimizer"]["state"][0]["exp_avg"]  # 35 float32 elements
+    path = tmp_path / "pieces.pt"
+    layout = ckpt.plan_file(path, payload)
+    offset = layout.records[("optimizer", "state", 0, "exp_avg")][0]
+    flat = exp_avg.reshape(-1)
+    cuts = [0, 12, 13, 35]  # three pieces, as three ranks hold them
+    pieces = [(offset + a * 4, flat[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    whole = [(o, t) for o, t in _offsets(layout, payload) if o != offset]
+    with pytest.raises(RuntimeError, match="no rank wrote"):
+        layout.entry(ckpt.write_tensors(path, whole + pieces[:1] + pieces[2:]))
+    entry = layout.entry(ckpt.write_tensors(path, whole + pieces))
+    assert [r[:2] for r in entry["records"] if offset <= r[0] < offset + 140] == [
+        [offset, 48],
+        [offset + 48, 4],
+        [offset + 52, 88],
+    ]
+    assert_same(torch.load(path, weights_only=True), payload)
+    with ckpt.CheckpointReader(path, entry) as reader:
+        meta = reader.structure["optimizer"]["state"][0]["exp_avg"]
+        assert torch.equal(reader.read(meta), exp_avg)
+        for start in range(36):
+            for stop in range(start, 36):
+                assert torch.equal(reader.read_range(meta, start, stop), flat[start:stop]), (start, stop)
+    data = bytearray(path.read_bytes())
+    data[offset + 60] ^= 0x01  # inside the third piece
+    path.write_bytes(bytes(data))
+    with ckpt.CheckpointReader(path, entry) as reader:
+        meta = reader.structure["optimizer"]["state"][0]["exp_avg"]
+        assert torch.equal(reader.read_range(meta, 0, 13), flat[:13])  # the first two pieces are intact
+        with pytest.raises(CheckpointError, match="do not match the sha256"):
+            reader.read_range(meta, 10, 20)
+
+
 def test_the_reader_reads_and_checks_only_the_tensors_asked_for(tmp_path, monkeypatch):
     from tinylm.checkpoint import pieces as ckpt
 

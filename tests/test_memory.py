@@ -16,7 +16,6 @@ from tinylm.checkpoint import Manifest
 from tinylm.config import TrainConfig, from_dict
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.parallel.sharded import assign_owners
 from tinylm.pretrain import memory
 from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation, step_activation_bytes
 from tinylm.pretrain.optimizer import build_optimizer
@@ -47,27 +46,6 @@ def test_parameters_gradients_and_optimizer_state_are_those_of_a_real_model_afte
     assert plan.parts["parameters"] == sum(p.numel() * 4 for p in model.parameters())
     assert plan.parts["gradients"] == sum(p.grad.numel() * 4 for p in model.parameters())
     assert plan.parts["optimizer"] == state_bytes
-
-
-def test_a_sharded_plan_holds_the_largest_share_and_the_shares_are_balanced():
-    model = Transformer(**SHAPE)
-    sizes = [p.numel() for p in model.parameters()]
-    loads = [0, 0, 0]
-    owners = assign_owners(sizes, loads)
-    for rank in range(3):  # brute force: each share within one parameter of a third
-        assert abs(sum(s for s, o in zip(sizes, owners, strict=True) if o == rank) - sum(sizes) / 3) <= max(
-            sizes
-        )
-    train = train_config(world_size=3, batch_size=9, shard_optimizer=True)
-    plan = plan_memory(SHAPE, train, 3)
-    whole = plan_memory(SHAPE, dataclasses.replace(train, shard_optimizer=False), 3)
-    groups = build_optimizer(model, train, world_size=1).param_groups
-    elements, shares = [0, 0, 0], [0, 0, 0]
-    for group in groups:
-        group_sizes = [p.numel() for p in group["params"]]
-        for rank, size in zip(assign_owners(group_sizes, elements), group_sizes, strict=True):
-            shares[rank] += 8 * size
-    assert plan.parts["optimizer"] == max(shares) < whole.parts["optimizer"] == sum(shares)
 
 
 def test_views_and_aliases_count_no_new_bytes():

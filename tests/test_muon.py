@@ -305,8 +305,10 @@ def test_world_of_one_sharded_muon_equals_muon():
 def test_sharded_muon_equals_unsharded_and_consolidates(tmp_path):
     launch(muon_ranks.sharded_muon_matches_muon, args=(str(tmp_path),), world_size=2, timeout_s=120)
     results = muon_ranks.read_results(tmp_path, 2)
-    owned = sorted(i for r in results for i in r["owned"])
-    assert owned == list(range(results[0]["num_parameters"]))  # disjoint shares that cover everything
+    owned = sorted({i for r in results for i in r["owned"]})
+    assert owned == list(range(results[0]["num_parameters"]))  # shares that cover everything
+    held = [sum(r["elements"].get(str(i), 0) for r in results) for i in owned]
+    assert held == results[0]["numel"]  # every element held by exactly one rank
     assert all(r["owned_matrices"] > 0 for r in results)  # both ranks orthogonalise matrices
     assert max(r["worst"] for r in results) <= 1e-6
 

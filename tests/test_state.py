@@ -185,7 +185,8 @@ def test_a_sharded_save_is_the_plain_optimizers_checkpoint_and_each_rank_wrote_i
     entries = json.loads((state / "step_0000003" / "manifest.json").read_text())["files"]
     tensor_bytes = sum(n for entry in entries.values() for _, n, _ in entry["records"])
     assert sum(r["written"] for r in ranks) == tensor_bytes  # every tensor written once, by one rank
-    # Rank 1 wrote its own parameters (into checkpoint.pt and weights.pt) and its own state, nothing else.
+    # Rank 1 wrote the parameters whose first element it holds (into checkpoint.pt and weights.pt)
+    # and its pieces of the state, nothing else.
     assert ranks[1]["written"] == 2 * ranks[1]["owned_params"] + ranks[1]["owned_state"]
     assert 0 < ranks[1]["owned_state"] < _state_bytes(reference)
 
@@ -194,7 +195,9 @@ def _state_bytes(optimizer) -> int:
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
 
 
-def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_world_two, tmp_path):
+def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one_and_three_resaves_for_one(
+    saved_at_world_two, tmp_path
+):
     import _state_ranks as ranks
 
     from tinylm.parallel import launch
@@ -219,15 +222,24 @@ def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one(saved_at_wor
     )  # the tied head is one tensor in the file
     rng = sum(n for _, n, _ in entry["records"]) - model_bytes - _state_bytes(saved)
     for r in _read_results(tmp_path, 3):
-        # The model, this rank's own state at world size 3, and the small rest: never the whole state.
-        assert r["read"] == other + model_bytes + r["owned_state"] + rng
-        assert 0 < r["owned_state"] < _state_bytes(saved)
+        # The model, the pieces saved at world size 2 that overlap this rank's slices at world
+        # size 3 (its own state and at most a piece more), and the small rest: never the whole state.
+        state_read = r["read"] - other - model_bytes - rng
+        assert 0 < r["owned_state"] <= state_read < _state_bytes(saved), (r, _state_bytes(saved))
 
     # One process with a plain AdamW reads the whole state (no launch: a world of one).
     model, optimizer = ranks.make_trained([], seed=99, sharded=False)
     rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
     ranks.train_toy(model, optimizer, range(3, 6))
     assert rest["iteration"] == 3
+    assert_same(model.state_dict(), reference_model.state_dict())
+
+    # 2 -> 3 -> 1: the step the three ranks saved (their slices, in pieces) resumes in one process.
+    model, optimizer = ranks.make_trained([], seed=98, sharded=False)
+    rest = state_lib.restore_step(_one_rank(), tmp_path / "state", model, optimizer)
+    assert rest["iteration"] == 6
+    ranks.train_toy(model, optimizer, range(6, 9))
+    reference_model, _ = ranks.make_trained(range(9), sharded=False)
     assert_same(model.state_dict(), reference_model.state_dict())
 
 

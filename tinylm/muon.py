@@ -142,6 +142,11 @@ class Muon(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
+    @staticmethod
+    def needs_whole_parameters(group: dict) -> bool:
+        """Whether a group's update needs whole matrices (ShardedOptimizer keeps those whole)."""
+        return bool(group.get("use_muon", True))
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]

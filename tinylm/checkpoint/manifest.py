@@ -126,7 +126,9 @@ def write_manifest(path: str | os.PathLike, manifest: Manifest) -> None:
     atomic_write_text(path, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-def weights_sha256(model_state: dict[str, torch.Tensor], layout: Layout, hashes: dict[int, str]) -> str:
+def weights_sha256(
+    model_state: dict[str, torch.Tensor], layout: Layout, hashes: dict[int, tuple[int, str]]
+) -> str:
     """The model's identity: sha256 over each tensor's name, dtype, shape and the sha256 of its bytes.
 
     Computed from the hashes taken while writing (`hashes`: by byte offset in the file of
@@ -136,7 +138,7 @@ def weights_sha256(model_state: dict[str, torch.Tensor], layout: Layout, hashes:
     described = []
     for name, tensor in model_state.items():
         offset, nbytes = layout.records[("model", name)]
-        described.append([name, str(tensor.dtype), list(tensor.shape), hashes.get(offset) if nbytes else ""])
+        described.append([name, str(tensor.dtype), list(tensor.shape), hashes[offset][1] if nbytes else ""])
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 

@@ -75,17 +75,26 @@ class Layout:
     records: dict[TensorPath, tuple[int, int]]
     other: list[list]
 
-    def entry(self, hashes: dict[int, str]) -> dict[str, Any]:
-        """The manifest entry of the finished file, given the sha256 of each record (by offset)."""
+    def entry(self, hashes: dict[int, tuple[int, str]]) -> dict[str, Any]:
+        """The manifest entry of the finished file, given what was written: {byte offset: (nbytes,
+        sha256)} of each piece, the pieces of every tensor's bytes tiling it exactly (a tensor of a
+        sharded optimizer's state is written in the pieces its ranks hold)."""
         spans = sorted({span for span in self.records.values() if span[1] > 0})
-        missing = [offset for offset, _ in spans if offset not in hashes]
-        if missing:
-            raise RuntimeError(f"no rank wrote the tensor data at byte offsets {missing[:5]}")
-        return {
-            "bytes": self.size,
-            "records": [[offset, n, hashes[offset]] for offset, n in spans],
-            "other": self.other,
-        }
+        pieces = sorted((offset, n, sha) for offset, (n, sha) in hashes.items())
+        by_offset = {offset: (n, sha) for offset, n, sha in pieces}
+        records = []
+        for offset, nbytes in spans:
+            position = offset
+            while position < offset + nbytes and position in by_offset:
+                n, sha = by_offset[position]
+                records.append([position, n, sha])
+                position += n
+            if position != offset + nbytes:
+                raise RuntimeError(
+                    f"no rank wrote the tensor data at byte offsets {position}..{offset + nbytes} "
+                    f"(of the tensor at {offset})"
+                )
+        return {"bytes": self.size, "records": records, "other": self.other}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,14 +158,15 @@ def _data_offset(meta: torch.Tensor) -> int:
 
 def write_tensors(
     path: str | os.PathLike, items: list[tuple[int, torch.Tensor]], beat: Callable[[], None] | None = None
-) -> dict[int, str]:
-    """Write each (offset, tensor) into the planned file `path`; return the sha256 of each, by offset.
+) -> dict[int, tuple[int, str]]:
+    """Write each (offset, tensor) into the planned file `path`; return {offset: (nbytes, sha256)}.
 
+    A tensor may be a whole tensor of the payload or a part of one (its bytes from `offset` on).
     Tensors may live on any device; they are copied to the host one piece (CHUNK_BYTES) at a time.
     Items at an offset already written (tied tensors) are skipped. `beat` is called after every
     piece (the rank is making progress). The data is on disk (fsynced) when this returns.
     """
-    hashes: dict[int, str] = {}
+    hashes: dict[int, tuple[int, str]] = {}
     fd = os.open(path, os.O_WRONLY)
     try:
         unflushed = 0
@@ -178,7 +188,7 @@ def write_tensors(
                     unflushed = 0
                 if beat is not None:
                     beat()
-            hashes[offset] = digest.hexdigest()
+            hashes[offset] = (tensor.numel() * tensor.element_size(), digest.hexdigest())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -245,23 +255,70 @@ class CheckpointReader:
         offset, nbytes = _data_offset(meta), meta.numel() * meta.element_size()
         if nbytes == 0:
             return
-        if self._records.get(offset, (None,))[0] != nbytes:
-            raise CheckpointError(
-                f"{self.path}: its manifest lists no tensor of {nbytes} bytes at byte {offset}"
-            )
         flat = out.view(-1).view(torch.uint8)  # a view: the bytes of `out` itself
+        for position, n in self._pieces(offset, nbytes):
+            self._read_piece(position, flat[position - offset : position - offset + n], beat)
+
+    @torch.no_grad()
+    def read_range(
+        self,
+        meta: torch.Tensor,
+        start: int,
+        stop: int,
+        device: str | torch.device = "cpu",
+        beat: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The elements [start, stop) of `meta`'s data (flattened), a new 1-D tensor on `device`.
+
+        Every piece of the file that overlaps them is read and checked whole (at the world size
+        that wrote the file, exactly the part asked for), so at most a piece more is read.
+        """
+        element = meta.element_size()
+        if not 0 <= start <= stop <= meta.numel():
+            raise CheckpointError(f"{self.path}: elements {start}..{stop} of a tensor of {meta.numel()}")
+        out = torch.empty(stop - start, dtype=meta.dtype, device=device)
+        if stop == start:
+            return out
+        offset = _data_offset(meta)
+        low, high = offset + start * element, offset + stop * element
+        flat = out.view(torch.uint8)
+        for position, n in self._pieces(offset, meta.numel() * element):
+            if position + n <= low or position >= high:
+                continue
+            piece = torch.empty(n, dtype=torch.uint8)
+            self._read_piece(position, piece, beat)
+            a, b = max(low, position), min(high, position + n)
+            flat[a - low : b - low].copy_(piece[a - position : b - position])
+        return out
+
+    def _pieces(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) of the manifest's pieces that tile the tensor bytes [offset, offset + nbytes)."""
+        pieces, position = [], offset
+        while position < offset + nbytes:
+            n = self._records.get(position, (None,))[0]
+            if n is None or position + n > offset + nbytes:
+                raise CheckpointError(
+                    f"{self.path}: its manifest lists no tensor of {nbytes} bytes at byte {offset}"
+                )
+            pieces.append((position, n))
+            position += n
+        return pieces
+
+    def _read_piece(self, offset: int, out: torch.Tensor, beat: Callable[[], None] | None) -> None:
+        """Fill `out` (uint8, any device) with the piece at `offset`, checked against its sha256."""
+        nbytes = out.numel()
         staging = (
             None if out.device.type == "cpu" else torch.empty(min(nbytes, CHUNK_BYTES), dtype=torch.uint8)
         )
         digest = hashlib.sha256()
         for start in range(0, nbytes, CHUNK_BYTES):
             length = min(CHUNK_BYTES, nbytes - start)
-            target = flat[start : start + length] if staging is None else staging[:length]
+            target = out[start : start + length] if staging is None else staging[:length]
             buffer = memoryview(target.numpy()).cast("B")
             self._pread_into(buffer, offset + start)
             digest.update(buffer)
             if staging is not None:
-                flat[start : start + length].copy_(target)
+                out[start : start + length].copy_(target)
             if beat is not None:
                 beat()
         self._check(digest.hexdigest(), self._records[offset][1], offset)

@@ -258,20 +258,24 @@ class TrainConfig:
         lo=0.0,
         lo_open=True,
         help="DDP gradient bucket size",
-        more="One all-reduce per bucket (with `shard_optimizer`, one reduce per owner in the bucket), "
-        "overlapping backward. Gradients live in the buckets and are never copied: each step zeroes the "
-        "buckets and backward accumulates straight into them",
+        more="One all-reduce per bucket (with `shard_optimizer`, one reduce-scatter of the gradients and one "
+        "all-gather of the parameters per bucket), overlapping backward. Gradients live in the buckets and "
+        "are never copied: each step zeroes the buckets and backward accumulates straight into them. "
+        "`pretrain --plan` says what one update sends at a world size and its time at a link's bandwidth "
+        "(`--plan-bandwidth`): at hundreds of ranks the ring's latency per bucket grows, and larger "
+        "buckets pay it fewer times",
         execution=True,
     )
     shard_optimizer: bool = key(
         True,
-        help="ZeRO-1: with `world_size > 1` each rank keeps the optimizer state of its share of the "
-        "parameters only",
-        more="(AdamW's moments, Muon's momentum; whole parameters, so each owner orthogonalises whole "
-        "matrices) and writes that share of each checkpoint. Each gradient bucket is reduced to the owners "
-        "of its parameters only, the owners step and send the new values out: a step sends what plain "
-        "DDP's all-reduce sends, not 1.5x. The gradient clip uses one small all-reduce of the owners' "
-        "squared norms",
+        help="ZeRO-1: with `world_size > 1` each rank keeps the optimizer state of an equal slice of every "
+        "gradient bucket only",
+        more="(AdamW's moments, elements split anywhere: every rank within one alignment of 1/world_size; "
+        "Muon's matrices whole, shared out by equal shapes and balanced by Newton-Schulz work) and writes "
+        "that slice of each checkpoint. Each gradient bucket is reduce-scattered into the slices, each rank "
+        "steps its own and all-gathers the bucket's parameters back, waited for before the next forward: "
+        "a step sends what plain DDP's all-reduce sends, not 1.5x (Muon's buckets pad a rank's share to "
+        "whole matrices). The gradient clip uses one small all-reduce of the slices' squared norms",
         execution=True,
     )
     log_interval: int = key(

@@ -16,26 +16,26 @@ the buffers in place and autograd accumulates every later gradient straight into
 replaced by the view.) A hook on each parameter runs as soon as autograd has accumulated its
 gradient; once every gradient of a bucket is in, the bucket's communication starts asynchronously,
 so it overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting,
-waits for all of them and divides by the world size in place.
+waits for all of them and divides what this rank holds by the world size in place.
 
 Two ways to communicate a bucket:
 - all-reduce (the default): afterwards every rank holds every averaged gradient;
-- reduce to the owner (`reduce_to={param: rank}`, the ownership of a ShardedOptimizer, ZeRO-1):
-  within each bucket the gradients are laid out by owner, and each owner's run is reduced to that
-  rank only. Afterwards each rank holds the averaged gradients of the parameters it owns; the
-  `.grad` of another rank's parameter holds an unspecified partial sum and must not be read. Each
-  rank then sends (w - 1) / w of the gradient bytes, as the reduce-scatter half of an all-reduce;
-  the optimizer's parameter broadcast is the other half.
+- reduce-scatter into a sharded optimizer's slots (`shards=optimizer.buckets`, ZeRO-1): the
+  buckets are the optimizer's (tinylm/parallel/shard_layout.py), each cut into world_size equal
+  slots, and each is reduce-scattered so that rank r holds the averaged gradients of slot r. The
+  rest of a `.grad` holds an unspecified partial sum and must not be read. Each rank then sends
+  (w - 1) / w of the gradient bytes, half of an all-reduce; the optimizer's all-gather of the
+  parameters is the other half. The module waits for those all-gathers before its forward.
 
-Buckets (and the owner runs within them) are always started in the same order on every rank, so
-the sequence of collectives is the same everywhere even when gradients become ready in different
-orders on different ranks.
+Buckets are always started in the same order on every rank, so the sequence of collectives is
+the same everywhere even when gradients become ready in different orders on different ranks.
 
 A parameter shared by two modules (tied weights) is one parameter and is reduced once; frozen
 parameters (requires_grad=False) are left alone. A parameter whose gradient hook did not run on
 this rank since the last sync enters the sum as zeros; one whose hook ran on no rank ends with
-`.grad = None`, as in single-process training. For that, each bucket carries one extra element
-per parameter that counts the ranks that produced its gradient.
+`.grad = None`, as in single-process training. For that, one small all-reduce per step, started
+after the last bucket, counts the ranks that produced each gradient; it is read only when this
+rank missed one.
 
 Inside `with ddp.no_sync():` backward only accumulates local gradients (gradient accumulation
 micro-steps), already in the buckets; the next backward outside it reduces the accumulated sum.
@@ -50,48 +50,34 @@ initialised process group DDP is a world of one and communicates nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tinylm.parallel.sharded import ShardBucket, reduce_scatter
+
 
 class _Bucket:
-    """A flat buffer holding the gradients of some parameters, plus one "has a gradient" flag each.
+    """A flat buffer holding the gradients of some parameters.
 
-    The buffer is cut into runs, one per owner rank (a single run with owner None when every rank
-    gets everything): [grads of the run's params | their flags] for each run in turn. `views[i]` is
-    params[i]'s gradient slice, shaped like the parameter; `flags[i]` its flag element.
+    views[i] is params[i]'s gradient, shaped like the parameter, at offsets[i] in the buffer.
+    slot: None to all-reduce the whole buffer; else this rank's slice of it, into which the buffer
+    is reduce-scattered (a sharded optimizer's bucket, tinylm/parallel/shard_layout.py).
     """
 
-    def __init__(self, params: list[nn.Parameter], owners: list[int | None]):
-        order = sorted(range(len(params)), key=lambda i: (-1 if owners[i] is None else owners[i], i))
-        self.params = [params[i] for i in order]
-        self.owners = [owners[i] for i in order]
-        numel = sum(p.numel() for p in params) + len(params)
+    def __init__(self, params: list[nn.Parameter], offsets: list[int], numel: int, slot: slice | None):
+        self.params, self.slot = params, slot
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = [None] * len(self.params)
-        self.flags: list[torch.Tensor] = [None] * len(self.params)
-        self.runs: list[tuple[int | None, torch.Tensor, torch.Tensor]] = []  # (owner, run, its grads)
-        self.all_flags: list[torch.Tensor] = []  # the flags of each run
-        offset = 0
-        for owner in dict.fromkeys(self.owners):
-            members = [i for i, o in enumerate(self.owners) if o == owner]
-            start = offset
-            for i in members:
-                self.views[i] = self.buffer[offset : offset + self.params[i].numel()].view_as(self.params[i])
-                offset += self.params[i].numel()
-            grads_end = offset
-            for i in members:
-                self.flags[i] = self.buffer[offset]
-                offset += 1
-            self.runs.append((owner, self.buffer[start:offset], self.buffer[start:grads_end]))
-            self.all_flags.append(self.buffer[grads_end:offset])
-        self.got = [False] * len(self.params)  # its hook ran since the last sync
-        self.ready = [False] * len(self.params)  # its hook ran outside no_sync in this sync round
+        self.views = [
+            self.buffer[offset : offset + p.numel()].view_as(p)
+            for p, offset in zip(params, offsets, strict=True)
+        ]
+        self.got = [False] * len(params)  # its hook ran since the last sync
+        self.ready = [False] * len(params)  # its hook ran outside no_sync in this sync round
         self.num_ready = 0
-        self.handles: list = []
+        self.handle = None
 
     def adopt(self, i: int) -> None:
         """Make params[i].grad the bucket's view, copying in a gradient that autograd made fresh."""
@@ -100,34 +86,41 @@ class _Bucket:
             view.copy_(p.grad)
             p.grad = view
 
-    def close(self) -> None:
-        """Set the flags for this sync: 1 where the hook ran on this rank, else 0 (gradient zeroed)."""
-        for flags in self.all_flags:
-            flags.fill_(1)
+    def start(self, world_size: int) -> None:
+        """Zero the gradients whose hook did not run on this rank, then start the reduction."""
         for i, got in enumerate(self.got):
             if not got:
                 self.views[i].zero_()
-                self.flags[i].fill_(0)
+        if self.slot is None:
+            self.handle = dist.all_reduce(self.buffer, async_op=True)
+        else:
+            self.handle = reduce_scatter(self.buffer[self.slot], self.buffer, async_op=True)
+
+    def finish(self, world_size: int) -> None:
+        """Wait for the reduction and average what this rank holds (all, or its slot)."""
+        self.handle.wait()
+        self.buffer.div_(world_size) if self.slot is None else self.buffer[self.slot].div_(world_size)
 
     def reset(self) -> None:
         self.got = [False] * len(self.params)
         self.ready = [False] * len(self.params)
         self.num_ready = 0
-        self.handles = []
+        self.handle = None
 
 
 class DDP(nn.Module):
     """Wrap `module` for data-parallel training over the default process group; see module docs.
 
-    reduce_to: the owner rank of each trainable parameter (`ShardedOptimizer.owner`); when given,
-    each gradient is reduced to its owner only. Read once, at wrap time.
+    shards: a ShardedOptimizer's buckets (`ShardedOptimizer.buckets`); when given, the gradient
+    buckets take their layout and each is reduce-scattered into this rank's slot, and the
+    module waits for the buckets' parameter all-gathers before its forward. Read once, at wrap time.
     """
 
     def __init__(
         self,
         module: nn.Module,
         bucket_size_mb: float = 25.0,
-        reduce_to: Mapping[nn.Parameter, int] | None = None,
+        shards: Sequence[ShardBucket] | None = None,
     ):
         super().__init__()
         if bucket_size_mb <= 0:
@@ -139,19 +132,31 @@ class DDP(nn.Module):
         self._next_bucket = 0  # buckets are started strictly in order; this one is next
         self._buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}  # param -> (bucket index, slot)
+        self._flags: torch.Tensor | None = None  # per trainable parameter: the ranks that produced it
+        self._flags_handle = None
+        self._shards: list[ShardBucket] = []
         if self.world_size == 1:
             return
 
         self._broadcast_from_rank0()
         # module.parameters() yields each parameter once even when it is tied to several modules.
         trainable = [p for p in module.parameters() if p.requires_grad]
-        if reduce_to is not None:
-            unowned = [i for i, p in enumerate(trainable) if p not in reduce_to]
-            if unowned:
-                raise ValueError(f"reduce_to names no owner for trainable parameters {unowned[:5]}")
-        for params in _split_into_buckets(trainable[::-1], bucket_size_mb):
-            owners = [None if reduce_to is None else reduce_to[p] for p in params]
-            self._buckets.append(_Bucket(params, owners))
+        if shards is None:
+            for params in _split_into_buckets(trainable[::-1], bucket_size_mb):
+                offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+                self._buckets.append(_Bucket(params, offsets, sum(p.numel() for p in params), None))
+        else:
+            sharded = {p for bucket in shards for p in bucket.params}
+            missing = [i for i, p in enumerate(trainable) if p not in sharded]
+            if missing:
+                raise ValueError(f"shards hold no bucket for trainable parameters {missing[:5]}")
+            for bucket in shards:
+                self._buckets.append(_Bucket(bucket.params, bucket.offsets, bucket.layout.numel, bucket.slot))
+                bucket.awaited_by_forward = True
+            self._shards = list(shards)
+            module.register_forward_pre_hook(self._wait_for_parameters)
+        self._params = [p for bucket in self._buckets for p in bucket.params]
+        self._flags = torch.zeros(len(self._params), dtype=torch.float32, device=self._params[0].device)
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[p] = (b, i)
@@ -160,6 +165,11 @@ class DDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _wait_for_parameters(self, module: nn.Module, args) -> None:
+        """Forward pre-hook of the module: the sharded optimizer's all-gathers are done before it runs."""
+        for bucket in self._shards:
+            bucket.wait()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -211,60 +221,47 @@ class DDP(nn.Module):
         self._start_ready_buckets()
 
     def _start_ready_buckets(self) -> None:
-        """Start the communication of every complete bucket, in order, up to the first incomplete one."""
+        """Start the communication of every complete bucket, in order, up to the first incomplete one;
+        after the last, the flags that say which ranks produced each gradient."""
         while self._next_bucket < len(self._buckets):
             bucket = self._buckets[self._next_bucket]
             if bucket.num_ready < len(bucket.params):
                 return
-            self._start(bucket)
+            bucket.start(self.world_size)
             self._next_bucket += 1
-
-    def _start(self, bucket: _Bucket) -> None:
-        bucket.close()
-        for owner, run, _ in bucket.runs:
-            if owner is None:
-                bucket.handles.append(dist.all_reduce(run, async_op=True))
-            else:
-                bucket.handles.append(dist.reduce(run, dst=owner, async_op=True))
+        if self._flags_handle is None:
+            got = [float(got) for bucket in self._buckets for got in bucket.got]
+            self._flags.copy_(torch.tensor(got), non_blocking=True)
+            self._flags_handle = dist.all_reduce(self._flags, async_op=True)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
         """Complete the gradient reduction of this step; afterwards each `.grad` is the rank average
-        (with `reduce_to`: on the parameter's owner).
+        (with `shards`: in this rank's slot of its bucket; the rest of `.grad` must not be read).
 
-        Parameters whose hook did not fire on this rank since the last sync contribute zeros. Must
-        be called by every rank after every backward outside `no_sync()`; inside `no_sync()` it does
-        nothing.
+        Parameters whose hook did not fire on this rank since the last sync contribute zeros; those
+        whose hook fired on no rank end with `.grad = None`. Must be called by every rank after
+        every backward outside `no_sync()`; inside `no_sync()` it does nothing.
         """
         if not self._sync_enabled or not self._buckets:
             return
         for bucket in self._buckets[self._next_bucket :]:
             bucket.num_ready = len(bucket.params)
         self._start_ready_buckets()
-
-        mine = []  # (bucket, slot) of the gradients this rank holds the average of
         for bucket in self._buckets:
-            for handle in bucket.handles:
-                handle.wait()
-            for owner, _, grads in bucket.runs:
-                if owner is None or owner == self.rank:
-                    grads.div_(self.world_size)
-            mine += [
-                (bucket, i) for i, owner in enumerate(bucket.owners) if owner is None or owner == self.rank
-            ]
-        # How many ranks produced each gradient. When this rank produced all of its own, every
-        # count is at least 1 and need not be read: no device-to-host copy, no host sync, in the
-        # usual step. Otherwise one copy for all flags.
-        if all(bucket.got[i] for bucket, i in mine):
-            counts = [1] * len(mine)
-        else:
-            counts = torch.stack([bucket.flags[i] for bucket, i in mine]).tolist()
-        for (bucket, i), count in zip(mine, counts, strict=True):
-            p = bucket.params[i]
-            p.grad = bucket.views[i] if count > 0 else None  # no rank produced one: None
+            bucket.finish(self.world_size)
+        self._flags_handle.wait()
+        # When this rank produced every gradient, every count is at least 1 and need not be read:
+        # no device-to-host copy, no host sync, in the usual step. Otherwise one copy for all.
+        everything = all(got for bucket in self._buckets for got in bucket.got)
+        counts = [1.0] * len(self._params) if everything else self._flags.tolist()
+        for p, count in zip(self._params, counts, strict=True):
+            b, i = self._where[p]
+            p.grad = self._buckets[b].views[i] if count > 0 else None  # no rank produced one: None
         for bucket in self._buckets:
             bucket.reset()
         self._next_bucket = 0
+        self._flags_handle = None
 
 
 def _split_into_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:

@@ -1,45 +1,48 @@
-"""Optimizer state sharding (ZeRO stage 1): each rank keeps optimizer state for its share only.
+"""Optimizer state sharding (ZeRO stage 1) over equal flat slices of parameter buckets.
 
-    opt = ShardedOptimizer(model.parameters(), AdamW, lr=1e-3, weight_decay=0.1)
-    ddp = DDP(model, reduce_to=opt.owner)     # each gradient is reduced to its owner only
+    opt = ShardedOptimizer(model.parameters(), AdamW, bucket_size_mb=25.0, lr=1e-3)
+    ddp = DDP(model, shards=opt.buckets)      # gradients reduce-scattered into the slices
     ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(model.parameters(), 1.0); opt.step(); ddp.zero_grad()
 
-Every rank holds all parameters. Each needs the averaged gradients of the parameters it owns only:
-with `DDP(reduce_to=opt.owner)` each gradient bucket is reduced to the owners of its parameters,
-so a step sends what one all-reduce would (reduce to the owners, then parameters out to
-everyone), not an all-reduce plus the parameters. Used on its own, on gradients that every rank
-already holds averaged, it works the same (it reads only its own). The parameters are
-split into disjoint shares balanced by element count: largest first, each to the rank with the
-fewest elements so far (ties to the lower rank), so every rank owns within one parameter's size
-of 1/world_size of the elements. Each rank runs a local `optimizer_cls` over its own share only,
-so its optimizer state (AdamW's two moments) is about 1/world_size of the whole.
+The parameters live in flat buckets (tinylm/parallel/shard_layout.py: which parameter sits where,
+and which rank holds which slice); each parameter's data is a view into its bucket. Every rank
+holds all parameters, and steps only its slot of every bucket: AdamW's elements anywhere (a
+parameter may be split between ranks), Muon's matrices whole. So every rank holds within one
+bucket alignment of 1/world_size of AdamW's state, at any world size.
 
-Parameters live in flat buffers, one per owner rank (and dtype and device): each parameter's data
-is a view into its owner's buffer, in global parameter order, every view aligned to 64 bytes.
-`step()` updates the owned share in place, then every owner's buffer travels in pieces of at most
-`bucket_size_mb` MiB, all broadcasts started asynchronously and waited on once: at most
-ceil(owner bytes / bucket bytes) collectives per owner, none per parameter. No copy is made: the
-broadcasts read and write the parameters themselves.
+One step, per bucket: DDP reduce-scatters the gradients into the slots as backward fills the
+bucket (`DDP(shards=...)`); `step()` runs a local `optimizer_cls` over this rank's pieces of the
+bucket (one instance per bucket, so that each bucket's all-gather starts as soon as its slot is
+stepped, the first layers' buckets first) and starts the bucket's all-gather of the updated
+parameters asynchronously. The all-gathers are waited for where the parameters are next needed:
+DDP's wrapped module waits before its forward, `wait_for_parameters()` for anything else (saving
+a checkpoint). Per rank per step that sends what one all-reduce would (reduce-scatter plus
+all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that every rank already
+holds averaged, each rank reading only its pieces), `step()` waits for its all-gathers before it
+returns.
 
-`param_groups` are the full groups, as with any optimizer: a schedule that writes
-`group["lr"]` into every group reaches the local optimizer, because the hyperparameters of each
-group are copied into the matching local group before every step. `add_param_group` shares the
-new parameters out the same way (and lays the buffers out again).
+`param_groups` are the full groups, as with any optimizer: a schedule that writes `group["lr"]`
+into every group reaches the local optimizers, because every group's hyperparameters are copied
+into theirs before each step. An optimizer class says which groups need whole parameters with
+`needs_whole_parameters(group) -> bool` (Muon's `use_muon` groups); without it every update is
+taken to be elementwise. `add_param_group` lays every parameter out again (its state kept): call
+it before DDP wraps the model.
 
-State dicts use torch's format, with state keyed by the global parameter index (counted through
-`param_groups` in order), so they load into a plain AdamW and come from one:
+State dicts use torch's format, keyed by the global parameter index (counted through
+`param_groups` in order), the tensors of their parameter's full shape, so they load into a plain
+AdamW and come from one:
 
-- `sharded_state_dict()` (a collective on metadata only) is that dict with this rank's own state
-  tensors and, for every other rank's, a tensor on the "meta" device of the right shape and
-  dtype. Checkpoints are written from it (tinylm/pretrain/state.py), so the whole state never exists on one
-  rank.
-- `state_dict()` (a collective) consolidates the real tensors on every rank, tensor by tensor:
-  the whole optimizer state on every rank, meant for small models and tests.
+- `sharded_state_dict()` (a collective on metadata only): every state tensor as a tensor on the
+  "meta" device of its full shape; `state_pieces()` gives the parts this rank holds (each element
+  of the state in exactly one rank's pieces). Checkpoints are written from the two
+  (tinylm/pretrain/state.py), so the whole state never exists on one rank.
+- `state_dict()` (a collective) consolidates it on every rank: meant for small models and tests.
 - `load_state_dict(d)` takes a full dict or any part of one (from any world size, or from a plain
-  optimizer) on every rank and keeps the state of the parameters it owns.
+  optimizer), each tensor of its parameter's full shape or just the piece this rank holds
+  (`held_ranges()`), and keeps what this rank holds.
 
-Without an initialised process group this is a world of one: rank 0 owns everything and nothing
-is communicated or laid out again.
+Without an initialised process group this is a world of one: one slot per bucket, nothing is
+communicated.
 """
 
 from __future__ import annotations
@@ -51,12 +54,81 @@ import torch.distributed as dist
 from torch import nn
 
 from tinylm.nn_utils import gradient_clip, scale_to_norm, squared_norms
+from tinylm.parallel.shard_layout import BucketLayout, ParamSpec, Piece, plan_shards
 
-_ALIGN_BYTES = 64
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """Reduce (sum) `input` over the ranks and give rank r its r-th equal part in `output`."""
+    # torch 2.13 renamed the flat collectives; older versions have only the old names.
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, input, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """Concatenate every rank's `input` into `output` (rank r's at its r-th equal part)."""
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, input, async_op=async_op)
+
+
+class ShardBucket:
+    """A bucket of parameters: the layout, the flat parameter buffer, and its pending all-gather.
+
+    layout: where each member sits; params: the members (layout order); data: [layout.numel], the
+    parameters' storage (each `p.data` a view); rank: this rank (its slot is `data[slot]`).
+    DDP allocates the matching gradient buffer (same offsets) and reduce-scatters into it.
+    """
+
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], rank: int):
+        self.layout, self.params, self.rank = layout, params, rank
+        self.offsets = list(layout.offsets)
+        first = params[0]
+        self.data = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, offset in zip(params, self.offsets, strict=True):
+                view = self.data[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+        low, high = layout.slot(rank)
+        self.slot = slice(low, high)
+        self.awaited_by_forward = False  # set by DDP, whose module waits before its forward
+        self._gather = None
+
+    def start_all_gather(self) -> None:
+        """Give every rank this rank's slot of the parameters (asynchronously)."""
+        self._gather = all_gather(self.data, self.data[self.slot], async_op=True)
+
+    def wait(self) -> None:
+        """Wait for the bucket's pending all-gather, if any: the parameters are then current."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+
+
+class _Held:
+    """A rank's piece of a parameter, as its local optimizer sees it.
+
+    tensor: what the local optimizer steps (the parameter itself when held whole, else a 1-D
+    view of its elements [start, stop) in the bucket); its `.grad` is the matching part of
+    `param.grad`, refreshed before every step.
+    """
+
+    def __init__(self, piece: Piece, param: nn.Parameter, bucket: ShardBucket):
+        self.piece, self.param = piece, param
+        self.whole = piece.start == 0 and piece.stop == param.numel()
+        self.tensor = param if self.whole else bucket.data[piece.offset : piece.offset + piece.numel]
+
+    def gradient(self) -> torch.Tensor | None:
+        """This piece of `param.grad` (a view), or None when the parameter has no gradient."""
+        grad = self.param.grad
+        if grad is None or self.whole:
+            return grad
+        if not grad.is_contiguous():
+            raise RuntimeError("ShardedOptimizer needs contiguous gradients")
+        return grad.view(-1)[self.piece.start : self.piece.stop]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Run `optimizer_cls(owned params, **kwargs)` on this rank's share and broadcast the results."""
+    """Run `optimizer_cls` over this rank's slots of the parameter buckets; see the module docs."""
 
     def __init__(
         self, params, optimizer_cls: type[torch.optim.Optimizer], bucket_size_mb: float = 25.0, **kwargs: Any
@@ -67,171 +139,236 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.bucket_size_mb = bucket_size_mb
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.owner: dict[nn.Parameter, int] = {}
-        self._elements_per_rank = [0] * self.world_size
-        self._flat: list[tuple[int, torch.Tensor]] = []  # (owner rank, flat buffer of its parameters)
-        self.local_optimizer: torch.optim.Optimizer | None = None
-        # Optimizer.__init__ calls self.add_param_group for each group, which builds the local optimizer.
+        self.buckets: list[ShardBucket] = []
+        self.local_optimizers: list[torch.optim.Optimizer] = []  # one per bucket
+        self._held: list[list[_Held]] = []  # per bucket, this rank's pieces
+        self._laid_out = False
+        # Optimizer.__init__ calls self.add_param_group for each group; the layout waits for all.
         super().__init__(params, defaults=kwargs)
-        self.state = self.local_optimizer.state  # this rank's share of the state
+        self._lay_out()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of parameters (with its hyperparameters), shared out among the ranks."""
+        """Add a group of parameters (with its hyperparameters); every parameter is laid out again."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._assign_owners(group["params"])
-        local_group = self._hyperparameters(group)
-        local_group["params"] = [p for p in group["params"] if self.owner[p] == self.rank]
-        if self.local_optimizer is None:
-            self.local_optimizer = self.optimizer_cls([local_group], **self.defaults)
-        else:
-            self.local_optimizer.add_param_group(local_group)
-        if self.world_size > 1:
-            self._lay_out_buffers()
-
-    def _assign_owners(self, params: list[nn.Parameter]) -> None:
-        ranks = assign_owners([p.numel() for p in params], self._elements_per_rank)
-        self.owner.update(zip(params, ranks, strict=True))
-
-    @torch.no_grad()
-    def _lay_out_buffers(self) -> None:
-        """Move every parameter into its owner's flat buffer (one per owner, dtype and device)."""
-        runs: dict[tuple[int, torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in self._params():
-            runs.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
-        self._flat = []
-        for (owner, dtype, device), params in runs.items():  # the same order on every rank
-            align = max(1, _ALIGN_BYTES // params[0].element_size())
-            offsets, numel = [], 0
-            for p in params:
-                offsets.append(numel)
-                numel += -(-p.numel() // align) * align
-            flat = torch.zeros(numel, dtype=dtype, device=device)
-            for p, offset in zip(params, offsets, strict=True):
-                view = flat[offset : offset + p.numel()].view_as(p)
-                view.copy_(p.data)
-                p.data = view
-            self._flat.append((owner, flat))
-
-    @staticmethod
-    def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-        return {key: value for key, value in group.items() if key != "params"}
+        if self._laid_out:
+            self._lay_out()
 
     def _params(self) -> list[nn.Parameter]:
         """Every parameter, in global index order."""
         return [p for group in self.param_groups for p in group["params"]]
 
-    def owned_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank steps (and whose averaged gradients it needs), in global order."""
-        return [p for p in self._params() if self.owner[p] == self.rank]
+    def _lay_out(self) -> None:
+        """Plan the buckets, move the parameters into them, build the local optimizers (state kept)."""
+        kept = self._consolidated_state() if self._laid_out else None
+        self.wait_for_parameters()
+        params = self._params()
+        whole = getattr(self.optimizer_cls, "needs_whole_parameters", lambda group: False)
+        specs = [
+            ParamSpec(p.numel(), tuple(p.shape), p.element_size(), (p.dtype, p.device), g, bool(whole(group)))
+            for g, group in enumerate(self.param_groups)
+            for p in group["params"]
+        ]
+        layouts = plan_shards(specs, self.world_size, self.bucket_size_mb * 2**20)
+        self.buckets, self.local_optimizers, self._held = [], [], []
+        for layout in layouts:
+            bucket = ShardBucket(layout, [params[i] for i in layout.members], self.rank)
+            held = [_Held(piece, params[piece.index], bucket) for piece in layout.pieces(self.rank)]
+            local_groups = [
+                {
+                    **self._hyperparameters(group),
+                    "params": [h.tensor for h in held if specs[h.piece.index].group == g],
+                }
+                for g, group in enumerate(self.param_groups)
+            ]
+            self.buckets.append(bucket)
+            self._held.append(held)
+            self.local_optimizers.append(self.optimizer_cls(local_groups, **self.defaults))
+        self._laid_out = True
+        if kept is not None:
+            self._load_state(kept)
+
+    @staticmethod
+    def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in group.items() if key != "params"}
+
+    def _all_held(self) -> list[tuple[_Held, torch.optim.Optimizer]]:
+        return [
+            (h, local) for held, local in zip(self._held, self.local_optimizers, strict=True) for h in held
+        ]
+
+    def held_ranges(self) -> dict[int, tuple[int, int]]:
+        """{global parameter index: [start, stop) of its elements this rank holds}."""
+        return {h.piece.index: (h.piece.start, h.piece.stop) for h, _ in self._all_held()}
+
+    def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """{piece tensor: its state} of every local optimizer (this rank's share of the state)."""
+        return {t: s for local in self.local_optimizers for t, s in local.state.items()}
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """The gradients this rank holds averaged (its pieces of them), as views; for unscaling."""
+        return [g for h, _ in self._all_held() if (g := h.gradient()) is not None]
+
+    def wait_for_parameters(self) -> None:
+        """Wait for every pending all-gather: afterwards every rank's parameters are current."""
+        for bucket in self.buckets:
+            bucket.wait()
 
     @torch.no_grad()
     def clip_grad_norm_(self, parameters, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-        """Collective: clip by the global gradient norm exactly as `nn_utils.gradient_clip(parameters, ...)`
-        does, each gradient read on its owner only; returns the norm before clipping (the same on every rank).
+        """Collective: clip by the global gradient norm as `nn_utils.gradient_clip(parameters, ...)`
+        does, each rank reading its pieces only; returns the norm before clipping (the same on every
+        rank).
 
-        Each rank writes the squared norms of the gradients it owns into a vector over `parameters`
-        (zeros elsewhere, and for parameters without a gradient); one all-reduce of it (4 bytes per
-        parameter tensor) gives every rank the vector gradient_clip sums (x + 0 = x), so the norm is
-        bit for bit the unsharded one at any world size. No index is built and nothing is read on
-        the host: no device sync.
+        Each rank adds the squared norms of its pieces into a vector over `parameters` (zeros for
+        parameters it holds nothing of, or without a gradient); one all-reduce of it (4 bytes per
+        parameter tensor) gives every rank the squared norm of each tensor. A tensor split between
+        ranks is summed in parts, so the norm equals gradient_clip's up to float rounding. Nothing
+        is read on the host: no device sync.
         """
         params = list(parameters)
-        mine = [p.grad if self.owner.get(p) == self.rank else None for p in params]
-        summed = squared_norms(mine, params[0].device)
+        position = {p: i for i, p in enumerate(params)}
+        held = [(position[h.param], h.gradient()) for h, _ in self._all_held() if h.param in position]
+        device = params[0].device
+        summed = torch.zeros(len(params), dtype=torch.float32, device=device)
+        if held:
+            index = torch.tensor([i for i, _ in held], device=device)
+            summed.index_add_(0, index, squared_norms([g for _, g in held], device))
         if self.world_size > 1:
             dist.all_reduce(summed)
         total_norm = summed.sum().sqrt()
-        owned = [g for g in mine if g is not None]
-        if owned:
-            scale_to_norm(owned, total_norm, max_norm, eps)
+        grads = [g for _, g in held if g is not None]
+        if grads:
+            scale_to_norm(grads, total_norm, max_norm, eps)
         return total_norm
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update the owned parameters, then broadcast every owner's buffer in buckets.
-
-        A closure, if given, is evaluated by the local optimizer (on every rank).
-        """
-        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
-            local_group.update(self._hyperparameters(group))
-        loss = self.local_optimizer.step(closure)
-        self.broadcast_parameters()
+        """Step this rank's slot of every bucket, first layers first, starting each bucket's
+        all-gather as soon as its slot is stepped. A closure, if given, is evaluated once."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait_for_parameters()
+        for bucket, held, local in reversed(
+            list(zip(self.buckets, self._held, self.local_optimizers, strict=True))
+        ):
+            for group, local_group in zip(self.param_groups, local.param_groups, strict=True):
+                local_group.update(self._hyperparameters(group))
+            for h in held:
+                if not h.whole:
+                    h.tensor.grad = h.gradient()
+            local.step()
+            if self.world_size > 1:
+                bucket.start_all_gather()
+        if not all(bucket.awaited_by_forward for bucket in self.buckets):
+            self.wait_for_parameters()
         return loss
 
-    @torch.no_grad()
-    def broadcast_parameters(self) -> None:
-        """Collective: give every rank its owners' current parameter values (what `step()` ends with)."""
-        handles = []
-        for owner, flat in self._flat:
-            bucket = max(1, int(self.bucket_size_mb * 2**20) // flat.element_size())
-            for start in range(0, flat.numel(), bucket):
-                handles.append(dist.broadcast(flat[start : start + bucket], src=owner, async_op=True))
-        for handle in handles:
-            handle.wait()
+    def _described_state(self) -> dict[int, dict[str, Any]]:
+        """Collective (metadata only): {global index: {name: ("tensor", full shape, dtype) or
+        ("value", v)}} of every parameter with state on any rank."""
+        params = self._params()
+        described: dict[int, dict[str, Any]] = {}
+        for h, local in self._all_held():
+            state = local.state.get(h.tensor)
+            if not state:
+                continue
+            described[h.piece.index] = {
+                name: _describe(value, h, params[h.piece.index]) for name, value in state.items()
+            }
+        if self.world_size == 1:
+            return described
+        gathered: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, described)
+        merged: dict[int, dict[str, Any]] = {}
+        for rank_state in gathered:
+            merged.update(rank_state)
+        return dict(sorted(merged.items()))
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Collective (metadata only): torch's state dict format, real tensors for this rank's state.
-
-        {"state": {global index: {name: value}}, "param_groups": [{..., "params": [global indices]}]},
-        exactly as `torch.optim.Optimizer.state_dict` numbers them. State of another rank's parameter
-        is a tensor on the meta device with the real shape and dtype; every rank sees the same
-        structure. This rank's tensors are the live state (not copies).
-        """
+    def _full_param_groups(self) -> list[dict[str, Any]]:
         index = {p: i for i, p in enumerate(self._params())}
-        local = {index[p]: state for p, state in self.local_optimizer.state.items()}
-        described = {
-            i: {name: _describe(value) for name, value in state.items()} for i, state in local.items()
-        }
-        if self.world_size > 1:
-            gathered: list[dict] = [{} for _ in range(self.world_size)]
-            dist.all_gather_object(gathered, described)  # names, shapes, dtypes: no tensor data
-        else:
-            gathered = [described]
-        state = {}
-        for rank, rank_state in enumerate(gathered):
-            for i, names in rank_state.items():
-                state[i] = (
-                    dict(local[i])
-                    if rank == self.rank
-                    else {name: _placeholder(d) for name, d in names.items()}
-                )
-        param_groups = []
-        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            local_group = self.local_optimizers[0].param_groups[g] if self.local_optimizers else {}
             full_group = {**self._hyperparameters(local_group), **self._hyperparameters(group)}
             full_group["params"] = [index[p] for p in group["params"]]
-            param_groups.append(full_group)
-        return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+            groups.append(full_group)
+        return groups
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Collective (metadata only): torch's state dict format, every state tensor on the meta device.
+
+        {"state": {global index: {name: value}}, "param_groups": [{..., "params": [global indices]}]},
+        as `torch.optim.Optimizer.state_dict` numbers them; each state tensor is a tensor on the
+        meta device of its full shape and dtype (`state_pieces()` gives this rank's parts of them).
+        Every rank sees the same structure.
+        """
+        state = {
+            i: {name: _placeholder(description) for name, description in names.items()}
+            for i, names in self._described_state().items()
+        }
+        return {"state": state, "param_groups": self._full_param_groups()}
+
+    def state_pieces(self) -> list[tuple[int, str, int, torch.Tensor]]:
+        """(global index, state name, first element, tensor) of every part of the state that this
+        rank holds: the elements [first, first + numel) of the full tensor, flattened (first is 0
+        for a tensor held whole). Every element of every state tensor is in exactly one rank's
+        list: the per-parameter values (AdamW's `step`) of a parameter split between ranks come
+        from the rank holding its first element. These are the live tensors."""
+        pieces = []
+        for h, local in self._all_held():
+            for name, value in local.state.get(h.tensor, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if h.whole or h.piece.start == 0:
+                    first = h.piece.start if value.numel() == h.piece.numel and not h.whole else 0
+                    pieces.append((h.piece.index, name, first, value))
+                elif value.numel() == h.piece.numel:
+                    pieces.append((h.piece.index, name, h.piece.start, value))
+        return pieces
+
+    @torch.no_grad()
+    def _consolidated_state(self) -> dict[int, dict[str, Any]]:
+        """Collective: {global index: {name: full value on the CPU}}, the same on every rank."""
+        params = self._params()
+        pieces = {(i, name): (first, value) for i, name, first, value in self.state_pieces()}
+        state: dict[int, dict[str, Any]] = {}
+        for i, names in self._described_state().items():
+            device = params[i].device  # nccl reduces device tensors, so "step" travels there too
+            entry = {}
+            for name, description in names.items():
+                if description[0] == "value":
+                    entry[name] = description[1]
+                    continue
+                _, shape, dtype = description
+                full = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+                if (i, name) in pieces:
+                    first, value = pieces[(i, name)]
+                    full.view(-1)[first : first + value.numel()].copy_(value.reshape(-1))
+                if self.world_size > 1:
+                    dist.all_reduce(full)  # each element held by exactly one rank: the sum is it
+                entry[name] = full.cpu()
+            state[i] = entry
+        return state
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """Collective: the consolidated state on every rank, torch's format, CPU tensors.
 
-        Each state tensor is broadcast from its owner in turn, so the whole optimizer state ends up
-        on every rank: meant for small models and tests. Checkpoints use `sharded_state_dict()`.
+        Each state tensor is assembled on every rank from its pieces (one all-reduce each), so the
+        whole optimizer state ends up on every rank: for small models and tests. Checkpoints use
+        `sharded_state_dict()` and `state_pieces()`.
         """
-        sharded = self.sharded_state_dict()
-        params = self._params()
-        for i, entry in sharded["state"].items():
-            device = params[i].device  # nccl broadcasts device tensors, so "step" travels there too
-            for name, value in entry.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if value.device.type == "meta":
-                    buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
-                else:
-                    buffer = value.detach().to(device, copy=True)
-                if self.world_size > 1:
-                    dist.broadcast(buffer, src=self.owner[params[i]])
-                entry[name] = buffer.cpu()
-        return sharded
+        return {"state": self._consolidated_state(), "param_groups": self._full_param_groups()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from `state_dict()` or any plain optimizer of the same class).
+        """Load a state dict in torch's format (from `state_dict()`, a checkpoint or any plain
+        optimizer of the same class); not a collective.
 
-        Every rank passes the dict (or just the entries of the parameters it owns) and keeps the
-        state of its own parameters; group hyperparameters are restored on every group. Not a
-        collective.
+        Every rank passes the dict (or just the entries of the parameters it holds), each tensor
+        of its parameter's full shape or exactly the piece this rank holds (`held_ranges()`, as
+        `restore_step` reads them); group hyperparameters are restored on every group.
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -242,29 +379,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"param group {i}: state dict has {len(saved['params'])} parameters, "
                     f"optimizer has {len(group['params'])}"
                 )
-
-        local_groups, local_state = [], {}
-        local_index = 0
         for group, saved in zip(groups, saved_groups, strict=True):
             group.update(self._hyperparameters(saved))
-            local_params = []
-            for p, saved_index in zip(group["params"], saved["params"], strict=True):
-                if self.owner[p] != self.rank:
-                    continue
-                if saved_index in state_dict["state"]:
-                    local_state[local_index] = state_dict["state"][saved_index]
-                local_params.append(local_index)
-                local_index += 1
-            local_groups.append({**self._hyperparameters(saved), "params": local_params})
-        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-        self.state = self.local_optimizer.state
+        saved_index = [i for saved in saved_groups for i in saved["params"]]
+        by_index = {
+            j: state_dict["state"][saved_index[j]]
+            for j in range(len(saved_index))
+            if saved_index[j] in state_dict["state"]
+        }
+        self._load_state(by_index)
+
+    def _load_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Load {global index: {name: value}} into the local optimizers, each piece sliced out."""
+        params = self._params()
+        for held, local in zip(self._held, self.local_optimizers, strict=True):
+            by_tensor = {id(h.tensor): h for h in held}
+            local_state, local_groups, n = {}, [], 0
+            for g, local_group in enumerate(local.param_groups):
+                indices = []
+                for t in local_group["params"]:
+                    h = by_tensor[id(t)]
+                    if h.piece.index in state:
+                        local_state[n] = {
+                            name: _slice(value, h, params[h.piece.index])
+                            for name, value in state[h.piece.index].items()
+                        }
+                    indices.append(n)
+                    n += 1
+                hyperparameters = {
+                    **self._hyperparameters(local_group),
+                    **self._hyperparameters(self.param_groups[g]),
+                }
+                local_groups.append({**hyperparameters, "params": indices})
+            local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
-def _describe(value: Any) -> Any:
-    """What another rank needs to know of a state value: (shape, dtype name) for a tensor, else itself."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype).removeprefix("torch."))
-    return ("value", value)
+def _describe(value: Any, held: _Held, param: torch.Tensor) -> Any:
+    """What another rank needs to know of a piece's state value: (full shape, dtype) of a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return ("value", value)
+    shape = tuple(param.shape) if not held.whole and value.numel() == held.piece.numel else tuple(value.shape)
+    return ("tensor", shape, str(value.dtype).removeprefix("torch."))
 
 
 def _placeholder(description: tuple) -> Any:
@@ -274,40 +429,66 @@ def _placeholder(description: tuple) -> Any:
     return description[1]
 
 
-def assign_owners(sizes: list[int], elements_per_rank: list[int]) -> list[int]:
-    """The owning rank of each of a group's parameters (`sizes`: their element counts): largest
-    first, each to the rank with the fewest elements so far (ties to the lower rank); deterministic.
-    `elements_per_rank` (one entry per rank, the groups before this one) is updated in place."""
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(len(elements_per_rank)), key=lambda r: (elements_per_rank[r], r))
-        owners[i] = rank
-        elements_per_rank[rank] += sizes[i]
-    return owners
+def _slice(value: Any, held: _Held, param: torch.Tensor) -> Any:
+    """This rank's piece of a full state value (a tensor of the parameter's shape is cut)."""
+    if not isinstance(value, torch.Tensor) or held.whole:
+        return value
+    if value.numel() == param.numel():
+        return value.reshape(-1)[held.piece.start : held.piece.stop].clone()
+    return value  # already the piece, or a per-parameter value such as `step`
 
 
 # A run's optimizer is a ShardedOptimizer or a plain one; these answer for both, so that no caller
 # has to tell them apart.
 
 
-def parameter_owners(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int] | None:
-    """{parameter: the rank that steps it} of a ShardedOptimizer (DDP's `reduce_to`); None for a
+def gradient_shards(optimizer: torch.optim.Optimizer) -> list[ShardBucket] | None:
+    """The buckets DDP reduce-scatters into (`DDP(shards=...)`) for a ShardedOptimizer; None for a
     plain optimizer, which every rank runs over every parameter."""
-    return optimizer.owner if isinstance(optimizer, ShardedOptimizer) else None
+    return optimizer.buckets if isinstance(optimizer, ShardedOptimizer) else None
 
 
-def held_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """The parameters this rank steps, and so whose averaged gradients and state it holds, in global order."""
+def held_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients (or pieces of them) this rank holds averaged and steps with."""
     if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.owned_parameters()
-    return [p for group in optimizer.param_groups for p in group["params"]]
+        return optimizer.held_gradients()
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def held_ranges(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+    """{global parameter index: [start, stop) of the elements whose optimizer state this rank holds}."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.held_ranges()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i: (0, p.numel()) for i, p in enumerate(params)}
+
+
+def parameter_writers(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+    """{parameter: the rank that writes its weights into a checkpoint}: the rank holding its first
+    element for a ShardedOptimizer (so the writing is shared out), else rank 0 (empty dict)."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        params[piece.index]: rank
+        for bucket in optimizer.buckets
+        for rank in range(optimizer.world_size)
+        for piece in bucket.layout.pieces(rank)
+        if piece.start == 0
+    }
+
+
+def wait_for_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Make the parameters current on this rank (a ShardedOptimizer's pending all-gathers)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.wait_for_parameters()
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
     """Clip the gradients this rank holds by the global norm over `parameters`; returns that norm.
 
-    A collective for a ShardedOptimizer (see `ShardedOptimizer.clip_grad_norm_`); the same value
-    as `nn_utils.gradient_clip(parameters, max_norm)` either way.
+    A collective for a ShardedOptimizer (see `ShardedOptimizer.clip_grad_norm_`); the value of
+    `nn_utils.gradient_clip(parameters, max_norm)` either way (up to rounding when sharded).
     """
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.clip_grad_norm_(parameters, max_norm)
@@ -315,8 +496,13 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, parameters, max_norm: floa
 
 
 def full_or_sharded_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict in torch's format: this rank's share of a ShardedOptimizer's state
-    (the rest on the meta device, see `sharded_state_dict`), or a plain optimizer's whole state."""
+    """The optimizer's state dict in torch's format: a ShardedOptimizer's `sharded_state_dict()`
+    (its tensors on the meta device, see `state_pieces`), or a plain optimizer's whole state."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.sharded_state_dict()
     return optimizer.state_dict()
+
+
+def state_pieces(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, int, torch.Tensor]]:
+    """A ShardedOptimizer's `state_pieces()`; nothing for a plain optimizer."""
+    return optimizer.state_pieces() if isinstance(optimizer, ShardedOptimizer) else []

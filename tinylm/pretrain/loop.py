@@ -8,10 +8,12 @@ One update (step s, 1-based), on every rank r of world_size, with A = train.grad
                 divided by A; backward inside ddp.no_sync() for all micro-batches but the last
     sync        finish_gradient_sync(): every gradient a rank holds is the average over ranks (our
                 DDP reduces gradient buckets while the last backward runs; with a sharded
-                optimizer each bucket goes only to the rank that owns its parameters)
+                optimizer each bucket is reduce-scattered into the ranks' equal slices)
     clip        one clip by the global gradient norm, the same on every rank
     update      the optimizer (AdamW or Muon, sharded or not) at the learning rates of update s;
-                with float16 the loss is scaled and an update whose gradients overflow is skipped
+                with float16 the loss is scaled and an update whose gradients overflow is skipped;
+                sharded, each rank steps its slices and all-gathers them, waited for before the
+                next forward
 
 So the same config at any world size or accumulation trains on the same tokens and, up to float
 rounding, to the same weights; a run may be resumed at another world size. Each step costs one
@@ -38,7 +40,7 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
 from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
-from tinylm.parallel.sharded import clip_grad_norm_, held_parameters, parameter_owners
+from tinylm.parallel.sharded import clip_grad_norm_, gradient_shards, held_gradients
 from tinylm.precision import LossScaler, autocast, configure_kernels, resolve_dtype
 from tinylm.pretrain.log import TrainingLog, set_run_name
 from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
@@ -90,10 +92,9 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     optimizer = build_optimizer(model, train, ctx.world_size)  # train.optimizer, sharded when asked
     if train.compile:
         compile_blocks(model, ctx.world_size)
-    # A sharded optimizer (ZeRO-1) names each parameter's owner: DDP then reduces each gradient to
-    # its owner only, and each rank unscales and clips the gradients it holds.
-    ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, reduce_to=parameter_owners(optimizer))
-    local_parameters = held_parameters(optimizer)  # what this rank steps: all, or its ZeRO-1 share
+    # A sharded optimizer (ZeRO-1) lays the parameters out in buckets of equal slices: DDP then
+    # reduce-scatters each gradient bucket into the slices, and each rank unscales and clips its own.
+    ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, shards=gradient_shards(optimizer))
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
     start = restore_run(ctx, spec.state_dir, model, optimizer, scaler)
     log = TrainingLog(
@@ -118,7 +119,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         if ctx.world_size > 1:
             dist.all_reduce(loss)
             loss /= ctx.world_size
-        scaler.unscale_([p.grad for p in local_parameters if p.grad is not None])
+        scaler.unscale_(held_gradients(optimizer))
         grad_norm = clip_grad_norm_(optimizer, model.parameters(), train.grad_clip)
         # The step's one host sync. Every rank holds the same loss and norm, so all decide alike.
         loss_value, norm_value = torch.stack([loss, grad_norm.to(device)]).tolist()

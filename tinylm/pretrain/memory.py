@@ -10,7 +10,7 @@ Per rank, in bytes:
     gradients       one float32 gradient per trainable parameter: DDP's buckets hold them all
     optimizer       AdamW's two moments (Muon: one momentum buffer for its matrices) for the
                     parameters this rank steps: all of them, or with train.shard_optimizer its
-                    ZeRO-1 share (the largest rank's, shared out as ShardedOptimizer does)
+                    ZeRO-1 slices (the largest rank's, laid out as ShardedOptimizer does)
     activations     the peak of one micro-batch's (batch_size / (world_size * grad_accum_steps)
                     sequences) forward, loss and backward beyond the parameters and gradients: what
                     autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
@@ -47,9 +47,9 @@ from tinylm.data import micro_batch_size
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, loss_chunk_bytes
 from tinylm.parallel.launch import ranks_on_this_machine
-from tinylm.parallel.sharded import assign_owners
+from tinylm.parallel.shard_layout import plan_shards
 from tinylm.precision import autocast, resolve_dtype
-from tinylm.pretrain.optimizer import build_optimizer
+from tinylm.pretrain.optimizer import parameter_specs
 from tinylm.throughput import GPU_PEAK_FLOPS, PLAN_GPUS, gpu_entry
 
 GIB = 2**30
@@ -191,12 +191,7 @@ def plan_memory(
         device = local_device(device, world_size)
     with torch.device("meta"):
         model = Transformer(**model_config)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    parts = {
-        "parameters": sum(p.numel() * 4 for p in model.parameters()),
-        "gradients": sum(p.numel() * 4 for p in trainable),
-        "optimizer": _optimizer_state_bytes(model, train, world_size),
-    }
+    parts = _state_bytes(model, train, world_size)
     micro = micro_batch_size(train.batch_size, world_size, train.grad_accum_steps)
     if train.dtype == "auto":  # the device need not be here, so not resolve_dtype's question to CUDA
         dtype = torch.bfloat16 if device.type == "cuda" and device.bf16 else torch.float32
@@ -209,21 +204,31 @@ def plan_memory(
     return MemoryPlan(parts, device, train, world_size, dict(model_config))
 
 
-def _optimizer_state_bytes(model: Transformer, train: TrainConfig, world_size: int) -> int:
-    """Bytes of optimizer state on the rank that holds the most: per element 8 (AdamW's two moments)
-    or 4 (Muon's momentum), for all parameters or, sharded, the largest rank's share."""
-    groups = build_optimizer(model, train, world_size=1).param_groups  # the groups, unsharded
-    per_element = [4 if group.get("use_muon") else 8 for group in groups]
+def _state_bytes(model: Transformer, train: TrainConfig, world_size: int) -> dict[str, int]:
+    """{"parameters", "gradients", "optimizer"}: bytes on the rank that holds the most.
+
+    Unsharded: every parameter and gradient in float32, and per element 8 bytes of optimizer state
+    (AdamW's two moments) or 4 (Muon's momentum). With train.shard_optimizer, laid out as
+    ShardedOptimizer lays them out (tinylm/parallel/shard_layout.py): parameters and gradients in
+    buckets (their alignment and slot padding counted), the state of the largest rank's slices.
+    """
+    specs = parameter_specs(model, train)
+    per_element = [4 if spec.whole else 8 for spec in specs]  # Muon's momentum, AdamW's two moments
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
     if world_size == 1 or not train.shard_optimizer:
-        return sum(
-            b * p.numel() for b, group in zip(per_element, groups, strict=True) for p in group["params"]
-        )
-    elements, state = [0] * world_size, [0] * world_size
-    for b, group in zip(per_element, groups, strict=True):
-        sizes = [p.numel() for p in group["params"]]
-        for rank, size in zip(assign_owners(sizes, elements), sizes, strict=True):
-            state[rank] += b * size
-    return max(state)
+        return {
+            "parameters": frozen + sum(p.numel() * 4 for p in trainable),
+            "gradients": sum(p.numel() * 4 for p in trainable),
+            "optimizer": sum(b * spec.numel for b, spec in zip(per_element, specs, strict=True)),
+        }
+    buckets = plan_shards(specs, world_size, train.bucket_size_mb * 2**20)
+    laid_out = sum(bucket.numel * 4 for bucket in buckets)
+    state = [
+        sum(per_element[piece.index] * piece.numel for bucket in buckets for piece in bucket.pieces(r))
+        for r in range(world_size)
+    ]
+    return {"parameters": frozen + laid_out, "gradients": laid_out, "optimizer": max(state)}
 
 
 class _LiveBytes(TorchDispatchMode):

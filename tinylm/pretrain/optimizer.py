@@ -14,6 +14,7 @@ from tinylm.model import Transformer
 from tinylm.muon import Muon
 from tinylm.optim import AdamW, cos_lr_scheduler, param_groups, wsd_lr_scheduler
 from tinylm.parallel import ShardedOptimizer
+from tinylm.parallel.shard_layout import ParamSpec
 
 
 def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> torch.optim.Optimizer:
@@ -101,6 +102,18 @@ def build_optimizer(model: Transformer, train: TrainConfig, world_size: int) -> 
     if world_size > 1 and train.shard_optimizer:
         return ShardedOptimizer(groups, optimizer_cls, bucket_size_mb=train.bucket_size_mb, **kwargs)
     return optimizer_cls(groups, **kwargs)
+
+
+def parameter_specs(model: Transformer, train: TrainConfig) -> list[ParamSpec]:
+    """What the shard layout needs of each of the run's trainable parameters (in the optimizer's
+    global order, float32), for the memory and communication plans; `model` may be on "meta"."""
+    groups = build_optimizer(model, train, world_size=1).param_groups
+    whole = Muon.needs_whole_parameters if train.optimizer == "muon" else (lambda group: False)
+    return [
+        ParamSpec(p.numel(), tuple(p.shape), 4, "float32", g, whole(group))
+        for g, group in enumerate(groups)
+        for p in group["params"]
+    ]
 
 
 def set_learning_rates(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> dict[str, float]:

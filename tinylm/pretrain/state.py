@@ -43,7 +43,6 @@ from tinylm.checkpoint.manifest import (
 from tinylm.checkpoint.pieces import (
     CheckpointReader,
     Layout,
-    TensorPath,
     map_tensors,
     plan_file,
     tensor_leaves,
@@ -51,7 +50,14 @@ from tinylm.checkpoint.pieces import (
 )
 from tinylm.checkpoint.published import PUBLISHED_DIR, published_file, read_model_state
 from tinylm.io import fsync_dir
-from tinylm.parallel.sharded import full_or_sharded_state_dict, held_parameters, parameter_owners
+from tinylm.parallel.sharded import (
+    full_or_sharded_state_dict,
+    gradient_shards,
+    held_ranges,
+    parameter_writers,
+    state_pieces,
+    wait_for_parameters,
+)
 from tinylm.pretrain.heartbeat import Heartbeat
 from tinylm.pretrain.publish import republish
 from tinylm.pretrain.steps import CHECKPOINT, MANIFEST, STEP_DIR, WEIGHTS, committed_steps, step_dir
@@ -84,8 +90,8 @@ def save_step(
         if key in REQUIRED_KEYS:
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
+    wait_for_parameters(optimizer)  # a sharded optimizer's all-gathers: the weights are current
     model_state = model.state_dict()
-    owners = parameter_owners(optimizer)  # None: every rank holds every parameter's state
     optimizer_state = full_or_sharded_state_dict(optimizer)
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
@@ -93,18 +99,30 @@ def save_step(
     else:
         gathered = [per_rank]
 
-    # Who writes each tensor: a parameter's owner its weights and optimizer state, rank 0 the rest.
-    owners = owners or {}
-    owner_by_index = [owners.get(p, 0) for group in optimizer.param_groups for p in group["params"]]
-    owner_of_storage = {p.data_ptr(): rank for p, rank in owners.items()}
-    model_writer = {name: owner_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
+    # Who writes each tensor: the holder of a parameter's first element its weights; each piece of
+    # a sharded optimizer's state its holder; rank 0 the rest.
+    sharded = gradient_shards(optimizer) is not None
+    writer_of_storage = {p.data_ptr(): r for p, r in parameter_writers(optimizer).items()}
+    model_writer = {name: writer_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
+    pieces = state_pieces(optimizer)
 
-    def writer_of(path: TensorPath) -> int:
-        if path[0] == "model":
-            return model_writer[path[1]]
-        if path[:2] == ("optimizer", "state"):
-            return owner_by_index[path[2]]  # the state of the parameter with this global index
-        return 0
+    def items_of(name: str, payload: dict[str, Any], layout: Layout) -> list[tuple[int, torch.Tensor]]:
+        """(byte offset, tensor) of everything this rank writes into file `name`."""
+        items = []
+        for path, tensor in tensor_leaves(payload):
+            if path[0] == "model":
+                mine = model_writer[path[1]] == rank
+            elif path[:2] == ("optimizer", "state") and sharded:
+                mine = False  # written in pieces, below
+            else:
+                mine = rank == 0
+            if mine:
+                items.append((layout.records[path][0], tensor))
+        if name == CHECKPOINT:
+            for index, state_name, first, tensor in pieces:
+                offset = layout.records[("optimizer", "state", index, state_name)][0]
+                items.append((offset + first * tensor.element_size(), tensor))
+        return items
 
     checkpoint = {"model": model_state, "optimizer": optimizer_state, "iteration": int(step)}
     weights = {"model": model_state, "iteration": int(step)}
@@ -117,7 +135,7 @@ def save_step(
         state_dir,
         step,
         {CHECKPOINT: checkpoint, WEIGHTS: weights},
-        writer_of,
+        items_of,
         replace(manifest, world_size=world_size),
         keep,
     )
@@ -134,8 +152,12 @@ def commit(
         key: value for key, value in payload.items() if key != "optimizer" and not isinstance(value, list)
     }
     heartbeat = Heartbeat(None, 0, 1, 1.0, f"commit/{step}")
+
+    def everything(name: str, tree: dict[str, Any], layout: Layout) -> list[tuple[int, torch.Tensor]]:
+        return [(layout.records[path][0], tensor) for path, tensor in tensor_leaves(tree)]
+
     return _commit_files(
-        heartbeat, state_dir, step, {CHECKPOINT: payload, WEIGHTS: weights}, lambda path: 0, manifest, keep
+        heartbeat, state_dir, step, {CHECKPOINT: payload, WEIGHTS: weights}, everything, manifest, keep
     )
 
 
@@ -144,14 +166,15 @@ def _commit_files(
     state_dir: str | os.PathLike,
     step: int,
     files: dict[str, Any],
-    writer_of,
+    items_of: Callable[[str, Any, Layout], list[tuple[int, torch.Tensor]]],
     manifest: Manifest,
     keep: int,
 ) -> Path:
     """Write `files` ({name: payload}) of a step folder from every rank, then (rank 0) commit it.
 
-    Rank 0's payloads are complete; another rank's need only hold the tensors it writes, at the
-    same paths. A failure on rank 0 removes the half-written folder.
+    Rank 0's payloads plan the files (their tensors may be on the meta device); every rank writes
+    `items_of(name, its payload, the file's layout)`: (byte offset, tensor) of whole tensors or
+    of pieces. A failure on rank 0 removes the half-written folder.
     """
     rank, world_size = heartbeat.rank, heartbeat.world_size
     folder = step_dir(Path(state_dir), step)
@@ -167,11 +190,7 @@ def _commit_files(
 
         hashes = {}
         for name, payload in files.items():
-            mine = [
-                (layouts[name].records[path][0], tensor)
-                for path, tensor in tensor_leaves(payload)
-                if writer_of(path) == rank
-            ]
+            mine = items_of(name, payload, layouts[name])
             if any(tensor.device.type == "meta" for _, tensor in mine):
                 raise RuntimeError(f"rank {rank} was asked to write a tensor it does not hold")
             hashes[name] = write_tensors(folder / name, mine, heartbeat.beat)
@@ -181,10 +200,10 @@ def _commit_files(
             written = heartbeat.wait(
                 {f"hashes/{r}": r for r in range(world_size)}, "writing its checkpoint tensors"
             )
-            merged: dict[str, dict[int, str]] = {name: {} for name in files}
+            merged: dict[str, dict[int, tuple[int, str]]] = {name: {} for name in files}
             for value in written.values():
                 for name, by_offset in json.loads(value).items():
-                    merged[name].update({int(offset): sha for offset, sha in by_offset.items()})
+                    merged[name].update({int(offset): tuple(n_sha) for offset, n_sha in by_offset.items()})
             fsync_dir(folder)
             described = {name: layouts[name].entry(merged[name]) for name in files}
             manifest = replace(
@@ -315,26 +334,34 @@ def restore_step(
 def _read_optimizer(
     reader: CheckpointReader, saved: dict[str, Any], optimizer: torch.optim.Optimizer, beat
 ) -> None:
-    """Read the state of the parameters this rank's optimizer steps (all, or its own share) and load it.
+    """Read the optimizer state this rank holds (all, or its pieces of a sharded one) and load it.
 
-    State tensors go to their parameter's device, except `step` counters, which stay on the CPU.
+    A state tensor of its parameter's shape is read only in the range of elements this rank holds
+    (`held_ranges`, at this world size: the file may come from another); `step` counters and other
+    per-parameter tensors are read whole and stay on the CPU.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    held = set(held_parameters(optimizer))
+    ranges = held_ranges(optimizer)
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
             raise CheckpointError(
                 f"{reader.path}: optimizer state for parameter {index}, the optimizer has {len(params)}"
             )
-        if params[index] not in held:
+        if index not in ranges:
             continue
-        state[index] = {
-            name: reader.read(value, "cpu" if name == "step" else params[index].device, beat)
-            if isinstance(value, torch.Tensor)
-            else value
-            for name, value in entry.items()
-        }
+        param, (start, stop) = params[index], ranges[index]
+        whole = start == 0 and stop == param.numel()
+        state[index] = {}
+        for name, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                state[index][name] = value
+            elif name == "step":
+                state[index][name] = reader.read(value, "cpu", beat)
+            elif whole or value.numel() != param.numel():
+                state[index][name] = reader.read(value, param.device, beat)
+            else:
+                state[index][name] = reader.read_range(value, start, stop, param.device, beat)
     try:
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     except ValueError as e:
