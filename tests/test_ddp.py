@@ -22,6 +22,7 @@ def read_results(out_dir: Path, world_size: int) -> list[dict]:
 # The rank functions that need no launch of their own run in one launch per world size (see
 # helpers.run_each); each test reads its function's results, or fails with the launch's error.
 BUCKETS = {2: [1e-9, 25.0, 2e-3], 3: [1e-9, 25.0]}  # one parameter per bucket, one bucket, a few
+TRAFFIC_BUCKET_MB = 0.02  # several buckets of the small Transformer (0.13 MB of float32 gradients)
 JOBS = {
     2: [
         ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[2],)),
@@ -29,11 +30,12 @@ JOBS = {
         ("ddp_overlaps_backward", _ddp_ranks.ddp_overlaps_backward, ()),
         ("ddp_no_sync_accumulates", _ddp_ranks.ddp_no_sync_accumulates, ()),
         ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
-        ("traffic_of_one_step", _ddp_ranks.traffic_of_one_step, ()),
+        ("traffic_of_one_step", _ddp_ranks.traffic_of_one_step, (TRAFFIC_BUCKET_MB,)),
     ],
     3: [
         ("ddp_matches_single_process", _ddp_ranks.ddp_matches_single_process, (BUCKETS[3],)),
         ("zero1_matches_single_process", _ddp_ranks.zero1_matches_single_process, ()),
+        ("traffic_of_one_step", _ddp_ranks.traffic_of_one_step, (TRAFFIC_BUCKET_MB,)),
     ],
 }
 
@@ -72,7 +74,8 @@ def test_ddp_equals_torch_ddp(launched):
 def test_all_reduces_start_during_backward(launched):
     for result in results_of(launched, "ddp_overlaps_backward"):
         events = result["events"]
-        assert events.count("all_reduce") == result["buckets"]  # one per parameter
+        # one per bucket (one parameter each), and the flags of who produced each gradient
+        assert events.count("all_reduce") == result["buckets"] + 1
         assert events.index("all_reduce") < events.index("backward returned")
         # All but the bucket of the first layer's parameters can start before the last gradient
         # hook (the first layer's weight and bias become ready in either order).
@@ -116,20 +119,38 @@ def test_buckets_follow_reverse_order_and_size_limit():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_reduce_to_owner_with_a_sharded_optimizer_equals_single_process(launched, world_size):
+def test_reduce_scatter_with_a_sharded_optimizer_equals_single_process(launched, world_size):
     for result in results_of(launched, "zero1_matches_single_process", world_size):
         assert result["worst"] <= 1e-6
         assert result["grads_kept"] > 0
+        assert result["split"] > 0  # some parameter is split between ranks
 
 
-def test_sharded_step_sends_no_more_than_ddp_alone(launched):
-    for result in results_of(launched, "traffic_of_one_step"):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_step_sends_what_ddp_sends_and_what_the_plan_says(launched, world_size):
+    from tinylm.parallel.comm_plan import plan_communication
+    from tinylm.parallel.shard_layout import ParamSpec
+
+    model = _ddp_ranks._small_transformer(seed=3)
+    specs = [ParamSpec(p.numel(), tuple(p.shape), 4, "float32", 0, False) for p in model.parameters()]
+    for result in results_of(launched, "traffic_of_one_step", world_size):
         ddp, sharded = result["ddp"], result["ddp+sharded"]
         assert set(ddp["sent"]) == {"all_reduce"}
-        assert ddp["sent"]["all_reduce"] >= result["gradient_bytes"]  # world 2: each rank sends it all once
-        assert "all_reduce" in sharded["calls"]  # the clip's one vector of squared norms, nothing more
+        # Each bucket one reduce-scatter and one all-gather, and three small all-reduces: the flags
+        # of which ranks produced each gradient, the loss, and the clip's squared norms.
+        assert sharded["calls"]["reduce_scatter"] == sharded["calls"]["all_gather"] > 1
+        assert sharded["calls"]["all_reduce"] == 3
         assert sharded["sent"]["all_reduce"] < 0.01 * result["gradient_bytes"]
-        assert sharded["total"] <= 1.05 * ddp["total"], (sharded, ddp)
+        assert sharded["total"] <= 1.01 * ddp["total"], (sharded, ddp)  # slot padding only
+        for name, counted in (("ddp", ddp), ("ddp+sharded", sharded)):
+            plan = plan_communication(specs, world_size, TRAFFIC_BUCKET_MB * 2**20, name == "ddp+sharded")
+            for kind, calls in counted["calls"].items():
+                assert plan.calls(kind) == calls, (name, kind)
+                assert plan.sent_bytes_of(kind) == pytest.approx(counted["sent"][kind], rel=1e-12), (
+                    name,
+                    kind,
+                )
+            assert plan.sent_bytes() == pytest.approx(counted["total"], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -127,8 +127,8 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.pretrain.steps import committed_steps
 
     state_dir = args.state_dir or run_state_dir(cfg)
-    if args.plan or args.plan_device:
-        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device)
+    if args.plan or args.plan_device or args.plan_bandwidth:
+        print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device, args.plan_bandwidth)
         return
 
     def on_sigterm(signum, frame):
@@ -169,18 +169,28 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def print_memory_plan(cfg: Config, tokenizer_path: str, state_dir: str, plan_device: str | None) -> None:
-    """`pretrain --plan`: the model's size and FLOPs, and the run's memory plan per rank on this
-    machine or on `plan_device` (a named device); an error when it would not fit.
+def print_memory_plan(
+    cfg: Config, tokenizer_path: str, state_dir: str, plan_device: str | None, plan_bandwidth: str | None
+) -> None:
+    """`pretrain --plan`: the model's size and FLOPs, the run's memory plan per rank on this
+    machine or on `plan_device` (a named device), an error when it would not fit, and (world size
+    > 1) the communication of one update at `plan_bandwidth` (a named link or GB/s).
 
     Works from the config alone: without a tokenizer file yet, the vocabulary is tokenizer.vocab_size.
     A run with committed steps in `state_dir` is planned as it will resume (its own accumulation)."""
     from pathlib import Path
 
+    from tinylm.parallel.comm_plan import parse_link
     from tinylm.parallel.launch import resolve_backend
     from tinylm.pretrain.log import log_line
     from tinylm.pretrain.memory import named_device
-    from tinylm.pretrain.run import model_config_of, model_summary, plan_run, run_device
+    from tinylm.pretrain.run import (
+        communication_summary,
+        model_config_of,
+        model_summary,
+        plan_run,
+        run_device,
+    )
     from tinylm.pretrain.steps import committed_steps, step_manifest
     from tinylm.tokenizer import Tokenizer
 
@@ -198,7 +208,11 @@ def print_memory_plan(cfg: Config, tokenizer_path: str, state_dir: str, plan_dev
         device = run_device(backend, cfg.train.world_size)
     steps = committed_steps(state_dir)
     resumed = step_manifest(state_dir, steps[-1]).grad_accum_steps if steps else None
-    for line in model_summary(model_config_of(cfg, vocab_size), cfg.train, device):
+    link = parse_link(plan_bandwidth) if plan_bandwidth else None
+    model_config = model_config_of(cfg, vocab_size)
+    for line in model_summary(model_config, cfg.train, device):
+        log_line(True, line)
+    for line in communication_summary(model_config, cfg.train, device, link):
         log_line(True, line)
     plan_run(cfg, vocab_size, device, is_rank0=True, resumed_accumulation=resumed)
 
@@ -424,6 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plan for this device instead of this machine's (implies --plan): a GPU such as h100-80gb, "
         "a100-40gb, l4-24gb (the list: tinylm/throughput.py, PLAN_GPUS), or cpu:<GB>gb such as cpu:64gb",
+    )
+    p.add_argument(
+        "--plan-bandwidth",
+        default=None,
+        metavar="LINK",
+        help="plan one update's communication (world size > 1) at this link (implies --plan): nvlink "
+        "(450 GB/s per GPU), infiniband (50 GB/s per GPU), or a bandwidth in GB/s per rank; default "
+        "nvlink up to 8 ranks, infiniband beyond (tinylm/parallel/comm_plan.py)",
     )
 
     p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")

@@ -23,11 +23,13 @@ from tinylm.flops import flops_per_token
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.parallel import launch
+from tinylm.parallel.comm_plan import Link, default_link, plan_communication
 from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
 from tinylm.pretrain.memory import PlanDevice, local_device, plan_memory, smallest_fitting_accumulation
+from tinylm.pretrain.optimizer import parameter_specs
 from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
 from tinylm.pretrain.state import newest_intact_step
@@ -98,6 +100,49 @@ def model_summary(model_config: dict[str, Any], train, device: PlanDevice) -> li
             f"one update ({tokens:,} tokens) on {train.world_size} x {device.name}: at least "
             f"{seconds:.3g} s at the bfloat16 peak ({device.peak_bf16 / 1e12:.0f} TFLOP/s each), "
             f"{seconds / 0.4:.3g} s at 40 % MFU"
+        )
+    return lines
+
+
+def communication_summary(
+    model_config: dict[str, Any], train, device: PlanDevice, link: Link | None = None
+) -> list[str]:
+    """What `pretrain --plan` says of one update's communication per rank (world_size > 1): the
+    collectives and the bytes this rank sends (tinylm/parallel/comm_plan.py), their time at `link`
+    (default: NVLink within a node of 8, InfiniBand beyond), and, on a device whose bfloat16 peak
+    is known, backward's time beside the gradients' collectives that it can hide."""
+    world_size = train.world_size
+    if world_size == 1:
+        return []
+    link = link or default_link(world_size)
+    with torch.device("meta"):
+        model = Transformer(**model_config)
+    sharded = train.shard_optimizer
+    plan = plan_communication(
+        parameter_specs(model, train), world_size, train.bucket_size_mb * 2**20, sharded
+    )
+    if sharded:
+        kinds = f"{plan.calls('reduce_scatter')} reduce-scatters and {plan.calls('all_gather')} all-gathers"
+    else:
+        kinds = f"{plan.calls('all_reduce', 'backward')} bucket all-reduces"
+    lines = [
+        f"communication per rank per update (world size {world_size}, {train.bucket_size_mb:g} MB "
+        f"buckets{', sharded' if sharded else ''}): {kinds} and {plan.calls(when='step')} "
+        f"small all-reduces; sends {plan.sent_bytes() / 2**20:,.1f} MiB",
+    ]
+    gradients, parameters = plan.seconds(link, "backward"), plan.seconds(link, "after step")
+    timing = f"  at {link.name} ({link.bandwidth / 1e9:g} GB/s per rank, nominal): "
+    timing += f"gradients {gradients * 1e3:.3g} ms"
+    if sharded:
+        timing += f", parameters {parameters * 1e3:.3g} ms (before the next forward)"
+    lines.append(timing)
+    if device.peak_bf16:
+        tokens = train.batch_size * model_config["context_length"] / world_size
+        backward = 2 / 3 * tokens * flops_per_token(model_config) / (0.4 * device.peak_bf16)
+        verdict = "hides" if gradients <= backward else "cannot hide"
+        lines.append(
+            f"  backward at 40 % MFU on {device.name}: {backward * 1e3:.3g} ms, which {verdict} the "
+            f"gradients' collectives"
         )
     return lines
 
