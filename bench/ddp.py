@@ -14,7 +14,7 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
 
    A step is zero the gradients, forward, backward, gradient sync, optimizer step: each side the
    way it is meant to be used (tinylm: `ddp.zero_grad()`, which zeroes the buckets in place, and in
-   C `DDP(reduce_to=optimizer.owner)`, each gradient reduced to its owner only; torch:
+   C `DDP(shards=optimizer.buckets)`, each gradient bucket reduce-scattered into equal slices; torch:
    `zero_grad(set_to_none=True)`, its default). Reported: the median step time over the measured
    steps (for tinylm also the time spent in finish_gradient_sync(), the communication that
    backward could not hide), tokens per second, optimizer state bytes per rank, the collectives one
@@ -28,9 +28,7 @@ World size 2, one thread per rank, gloo, 25 MB buckets on both sides.
    happened to keep (its adaptive threshold otherwise moves the peaks by about 1 % from run to run).
 3. Memory while checkpointing (variant C): the rise of each rank's peak resident set over its
    resident set just before `save_step`, and during `restore_step` into a fresh model and
-   optimizer in fresh processes; beside the same for the checkpoint tinylm first had, labelled "seed"
-   (every rank gathers the whole optimizer state with all_gather_object, rank 0 torch.saves and
-   hashes it; every rank hashes and torch.loads the whole file).
+   optimizer in fresh processes.
 4. The same global batch on world size 1 with two threads (plain model + AdamW) for comparison.
 5. Overlap: the fraction of backward's wall time that passes before the first all-reduce starts
    (tinylm DDP, 1 MB buckets), eager, with each Transformer block compiled (as the trainer does),
@@ -56,9 +54,10 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from tinylm.io import sha256_file
+from tinylm.checkpoint import Manifest
 from tinylm.model import Transformer
 from tinylm.parallel import DDP, ShardedOptimizer, launch
+from tinylm.parallel.sharded import parameter_writers
 from tinylm.pretrain import state as state_lib
 
 SMALL = dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344)
@@ -86,7 +85,7 @@ def make_variant(name: str):
         model = DDP(model, BUCKET_MB)
     elif name.startswith("C"):
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, lr=LR)
-        model = DDP(model, BUCKET_MB, reduce_to=optimizer.owner)
+        model = DDP(model, BUCKET_MB, shards=optimizer.buckets)
     else:
         model = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
         if name.startswith("B"):
@@ -107,7 +106,12 @@ def batch(step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Te
 
 def state_bytes(optimizer) -> int:
     """Bytes of tensors in an optimizer's state (for the sharded ones: this rank's local share)."""
-    state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        state = optimizer.optim.state
+    elif isinstance(optimizer, ShardedOptimizer):
+        state = optimizer.local_state()
+    else:
+        state = optimizer.state
     return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
@@ -134,22 +138,32 @@ class ByteCounter:
     from C++, so for the counted step it gets torch's own `allreduce_hook` as its communication hook
     (`hook_for`), which does what the built-in path does through the Python `dist.all_reduce`, and is
     counted there. Bytes sent per call, for n bytes in a world of w (ring algorithms):
-    all_reduce 2 (w - 1) / w * n; reduce: n unless this rank is the destination; broadcast: n if
-    this rank is the source. At w = 2 these are exact for any algorithm.
+    all_reduce 2 (w - 1) / w * n; reduce_scatter and all_gather (n: the full tensor) (w - 1) / w * n;
+    reduce: n unless this rank is the destination; broadcast: n if this rank is the source. At
+    w = 2 these are exact for any algorithm.
     """
 
-    KINDS = ("all_reduce", "reduce", "broadcast")
+    KINDS = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather")
+    NAMES = {  # the torch.distributed function behind each kind (the flat ones by their 2.13 names)
+        "all_reduce": "all_reduce",
+        "reduce": "reduce",
+        "broadcast": "broadcast",
+        "reduce_scatter": "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor",
+        "all_gather": "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor",
+    }
 
     def __init__(self):
         self.sent = {kind: 0.0 for kind in self.KINDS}
         self.active = False
-        self._originals = {kind: getattr(dist, kind) for kind in self.KINDS}
+        self._originals = {kind: getattr(dist, self.NAMES[kind]) for kind in self.KINDS}
         for kind in self.KINDS:
-            setattr(dist, kind, self._wrap(kind))
+            setattr(dist, self.NAMES[kind], self._wrap(kind))
 
     def close(self) -> None:
         for kind, original in self._originals.items():
-            setattr(dist, kind, original)
+            setattr(dist, self.NAMES[kind], original)
 
     def add(self, kind: str, tensor: torch.Tensor, peer: int | None = None) -> None:
         if not self.active:
@@ -157,6 +171,8 @@ class ByteCounter:
         n, rank, w = tensor.numel() * tensor.element_size(), dist.get_rank(), dist.get_world_size()
         if kind == "all_reduce":
             self.sent[kind] += 2 * (w - 1) / w * n
+        elif kind in ("reduce_scatter", "all_gather"):  # n: the full (input, output) tensor
+            self.sent[kind] += (w - 1) / w * n
         elif kind == "reduce":
             self.sent[kind] += 0 if peer == rank else n
         else:
@@ -167,7 +183,8 @@ class ByteCounter:
 
         def counted(tensor, *args, **kwargs):
             peer = kwargs.get("dst", kwargs.get("src", args[0] if args else None))
-            self.add(kind, tensor, peer)
+            full = args[0] if kind == "reduce_scatter" else tensor  # (output, input)
+            self.add(kind, full, peer)
             return original(tensor, *args, **kwargs)
 
         return counted
@@ -187,8 +204,10 @@ def count_collectives(fn) -> int:
         "all_reduce",
         "all_gather",
         "all_gather_into_tensor",
+        "all_gather_single",
         "reduce_scatter",
         "reduce_scatter_tensor",
+        "reduce_scatter_single",
         "send",
         "recv",
         "isend",
@@ -324,55 +343,15 @@ def _trained_c(args, ctx):
     return model, optimizer
 
 
-def _seed_save(ctx, model, optimizer, path: Path) -> None:
-    """The checkpoint tinylm first had (e5174b7): all_gather_object of every share, rank 0 saves, hashes."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    index = {p: i for i, p in enumerate(params)}
-    local = {
-        index[p]: {k: v.detach().to("cpu", copy=True) for k, v in s.items()}
-        for p, s in optimizer.local_optimizer.state.items()
-    }
-    gathered = [None] * ctx.world_size
-    dist.all_gather_object(gathered, local)
-    state = {}
-    for rank_state in gathered:
-        state.update(rank_state)
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
-    if ctx.is_main:
-        torch.save(
-            {
-                "model": model.module.state_dict(),
-                "optimizer": {"state": state, "param_groups": groups},
-                "iteration": 2,
-            },
-            path,
-        )
-        sha256_file(path)
-    dist.barrier()
-
-
-def _seed_load(model, optimizer, path: Path) -> None:
-    sha256_file(path)
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    model.module.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-
-
 def run_checkpoint_save(ctx, args, how: str, folder: str, out_dir: str) -> None:
     model, optimizer = _trained_c(args, ctx)
     before = _status_mib("VmRSS")
     _reset_peak()
     start = time.perf_counter()
-    if how == "tinylm":
-        state_lib.save_step(ctx, folder, 2, model.module, optimizer, manifest={"bench": True})
-    else:
-        Path(folder).mkdir(exist_ok=True)
-        _seed_save(ctx, model, optimizer, Path(folder) / "seed.pt")
+    state_lib.save_step(ctx, folder, 2, model.module, optimizer, manifest=Manifest(seed=0))
     seconds = time.perf_counter() - start
-    params = [p for p in model.module.parameters() if optimizer.owner[p] == ctx.rank]
+    writers = parameter_writers(optimizer)
+    params = [p for p in model.module.parameters() if writers.get(p) == ctx.rank]
     _write_rank_result(
         out_dir,
         ctx.rank,
@@ -392,10 +371,7 @@ def run_checkpoint_load(ctx, args, how: str, folder: str, out_dir: str) -> None:
     before = _status_mib("VmRSS")
     _reset_peak()
     start = time.perf_counter()
-    if how == "tinylm":
-        state_lib.restore_step(ctx, folder, model.module, optimizer)
-    else:
-        _seed_load(model, optimizer, Path(folder) / "seed.pt")
+    state_lib.restore_step(ctx, folder, model.module, optimizer)
     seconds = time.perf_counter() - start
     _write_rank_result(
         out_dir,
@@ -596,7 +572,7 @@ def main() -> None:
             launch(run_step_memory, args=(args, name, str(tmp / f"mem{i}")), **common)
             memory[name] = _read_ranks(tmp / f"mem{i}")
         checkpoint = {}
-        for how in ("tinylm", "seed"):
+        for how in ("tinylm",):
             folder = tmp / f"ckpt-{how}"
             for op, fn in (("save", run_checkpoint_save), ("load", run_checkpoint_load)):
                 out = tmp / f"{how}-{op}"
