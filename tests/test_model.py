@@ -94,6 +94,35 @@ def test_rmsnorm_computes_in_float32_and_returns_the_input_dtype():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The formula written out: x / sqrt(mean(x^2) + eps) * weight, in at least float32."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rmsnorm_is_the_written_out_formula_bit_for_bit(dtype, autocast):
+    """RMSNorm runs through F.rms_norm: on the CPU the same bits as the formula, forward and the
+    gradients of the input and the gain (so the default run's bytes do not depend on which)."""
+    torch.manual_seed(0)
+    weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    norm = RMSNorm(96, eps=1e-5, dtype=weight_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96) * 0.3 + 1)
+    x = (torch.randn(4, 7, 96) * 5).to(dtype).requires_grad_()
+    upstream = torch.randn(4, 7, 96).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ours = norm(x)
+        reference = rms_norm_reference(x, norm.weight, 1e-5)
+    assert ours.dtype == reference.dtype == dtype
+    assert torch.equal(ours, reference)
+    ours_grads = torch.autograd.grad(ours, (x, norm.weight), upstream)
+    reference_grads = torch.autograd.grad(reference, (x, norm.weight), upstream)
+    for mine, theirs in zip(ours_grads, reference_grads, strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def test_swiglu_matches_the_formula():
     torch.manual_seed(0)
     ffn = SwiGLU(d_model=16, d_ff=40)
@@ -342,6 +371,45 @@ def test_training_forward_compiles_as_one_graph():
     ids = torch.randint(0, TINY["vocab_size"], (2, TINY["context_length"]))
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
     torch.testing.assert_close(compiled(ids), model(ids))
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"logit_softcap": 15.0, "tie_embeddings": True}], ids=["plain", "softcap-tied"]
+)
+def test_the_loss_region_compiles_whole_and_is_the_eager_loss(options):
+    """Transformer.output_loss (ln_final, head, soft-cap, our chunked cross-entropy), as
+    train.compile compiles it: one graph forward and backward (fullgraph: a graph break is an
+    error; aot_eager traces the backward too), no recompilation for new targets, and the eager
+    loss and gradients under bf16 autocast; forward(ids, targets=) is that loss."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = Transformer(**{**TINY, **options})
+    hidden = torch.randn(2, TINY["context_length"], TINY["d_model"])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model.output_loss, fullgraph=True, backend="aot_eager")
+    for seed in (1, 2):
+        targets = torch.randint(
+            0, TINY["vocab_size"], (2, TINY["context_length"]), generator=torch.Generator().manual_seed(seed)
+        )
+        results = []
+        for region in (compiled, model.output_loss):
+            leaf = hidden.clone().requires_grad_()
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = region(leaf, targets)
+            loss.backward()
+            results.append((loss, leaf.grad, model.lm_head.weight.grad))
+        assert results[0][0].dtype == torch.float32
+        for mine, eager in zip(*results, strict=True):
+            assert torch.equal(mine, eager)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the second targets reuse it
+    ids = torch.randint(0, TINY["vocab_size"], (2, TINY["context_length"]))
+    torch.testing.assert_close(
+        model(ids, targets=targets), cross_entropy(model(ids), targets), rtol=0, atol=0
+    )
 
 
 # ------------------------------------------------------------------------------------------------
