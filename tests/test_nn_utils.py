@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinylm.nn_utils import cross_entropy, gradient_clip, softmax
+from tinylm.nn_utils import cross_entropy, gradient_clip, softmax, squared_norms
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -42,6 +42,34 @@ def test_cross_entropy_matches_torch(leading, scale):
     loss.backward()
     expected.backward()
     torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+# The fused path (log-softmax and softmax kernels, the default on CUDA) against the formula: the loss
+# to float32 rounding, each gradient element to a few units in the last place of its dtype.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 30.0, 1e4])
+def test_fused_cross_entropy_is_the_formula_up_to_rounding(dtype, scale):
+    torch.manual_seed(0)
+    vocab = 301
+    logits = (torch.randn(4, 33, vocab) * scale).to(dtype)
+    if dtype == torch.float16:
+        logits = logits.clamp(-6e4, 6e4)
+    targets = torch.randint(0, vocab, (4, 33))
+    results = []
+    for fused in (True, False):
+        leaf = logits.clone().requires_grad_()
+        # Chunks of 10 rows (10 x 301 floats): several per call, and a ragged last one.
+        loss = cross_entropy(leaf, targets, chunk_bytes=10 * 4 * vocab, fused=fused)
+        loss.backward()
+        results.append((loss, leaf.grad))
+    (loss, grad), (reference_loss, reference_grad) = results
+    assert loss.dtype == reference_loss.dtype == torch.promote_types(dtype, torch.float32)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6 if dtype != torch.float64 else 1e-12, atol=0)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(grad.double(), reference_grad.double(), rtol=4 * ulp, atol=ulp / (4 * 33))
+    expected = F.cross_entropy(logits.double().reshape(-1, vocab), targets.reshape(-1))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
 
 
 def test_cross_entropy_huge_logits_stay_finite_and_exact():
@@ -113,6 +141,46 @@ def test_gradient_clip_matches_torch(max_norm):
             torch.testing.assert_close(p.grad, q.grad)
     clipped = torch.stack([p.grad.norm() for p in ours.parameters() if p.grad is not None]).norm()
     assert clipped <= max_norm * (1 + 1e-5) or max_norm > norm
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(torch.bfloat16, torch.float32), (torch.float64,), (torch.float16, torch.bfloat16)]
+)
+def test_gradient_clip_of_mixed_dtypes_matches_brute_force(dtypes):
+    """Gradients of several dtypes (one multi-tensor norm per dtype, in at least float32): the norm
+    and every clipped gradient against a float64 computation over every element."""
+    torch.manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(shape).to(dtypes[i % len(dtypes)]))
+        for i, shape in enumerate([(5, 7), (3,), (64, 33), (1,)])
+    ]
+    for p in params:
+        p.grad = (torch.randn(p.shape) * 3).to(p.dtype)
+    brute = torch.cat([p.grad.double().flatten() for p in params]).pow(2).sum().sqrt()
+    expected = [(p.grad.double() * (1.0 / (brute + 1e-6))).to(p.dtype) for p in params]
+    norm = gradient_clip(params, 1.0)
+    torch.testing.assert_close(norm.double(), brute, rtol=1e-5, atol=0)
+    for p, want in zip(params, expected, strict=True):
+        assert p.grad.dtype == want.dtype
+        torch.testing.assert_close(p.grad, want)  # within the dtype's own tolerance
+
+
+def test_squared_norms_fused_are_the_per_tensor_sums_up_to_rounding():
+    """The multi-tensor norms (the default on CUDA) against the per-tensor sums of squares and a
+    float64 brute force: one entry per tensor in order, 0 where there is no gradient."""
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float32, torch.float16]
+    grads = [(torch.randn(n) * 5).to(dtype) for n, dtype in zip((7, 300, 1, 4096, 65), dtypes, strict=True)]
+    grads.insert(2, None)
+    fused = squared_norms(grads, torch.device("cpu"), fused=True)
+    per_tensor = squared_norms(grads, torch.device("cpu"), fused=False)
+    brute = torch.tensor(
+        [0.0 if g is None else g.double().pow(2).sum().item() for g in grads], dtype=torch.float64
+    )
+    assert fused.dtype == per_tensor.dtype == torch.float32 and fused.shape == (len(grads),)
+    assert fused[2] == per_tensor[2] == 0
+    torch.testing.assert_close(fused, per_tensor, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused.double(), brute, rtol=1e-6, atol=0)
 
 
 def test_gradient_clip_leaves_small_gradients_alone():

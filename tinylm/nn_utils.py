@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -19,7 +20,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None = None
+    logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None = None, fused: bool | None = None
 ) -> torch.Tensor:
     """Mean negative log-likelihood of `targets` under softmax(logits), over every position.
 
@@ -29,8 +30,15 @@ def cross_entropy(
     which stays finite for logits of any size: the largest exponent is exp(0) = 1.
     `chunk_bytes` (default: the logits' device's, `loss_chunk_bytes`) bounds the float32 rows handled
     at once; it changes the memory and the time, never the result.
+
+    `fused` (default: on CUDA): each chunk through torch's log-softmax forward and softmax backward,
+    one kernel that reads the logits once and writes float32 instead of the formula's five passes
+    forward and seven backward; the same loss and gradients up to float rounding (tests/test_nn_utils.py
+    holds it to the formula, which is the reference and the CPU's path).
     """
-    return _CrossEntropy.apply(logits, targets, chunk_bytes)
+    if fused is None:
+        fused = logits.device.type == "cuda"
+    return _CrossEntropy.apply(logits, targets, chunk_bytes, fused)
 
 
 # Rows of logits handled at once in float32: at most this many bytes of them (row_chunks). Rows are
@@ -71,13 +79,23 @@ class _CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None, fused: bool
+    ) -> torch.Tensor:
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
         y = targets.reshape(-1, 1).long()  # [N, 1]
+        ctx.chunk_bytes, ctx.fused = chunk_bytes, fused
+        if fused:  # backward recomputes the softmax whole: nothing but the inputs to keep
+            wide = torch.promote_types(flat.dtype, torch.float32)
+            losses = [
+                -F.log_softmax(flat[rows], dim=-1, dtype=wide).gather(-1, y[rows])
+                for rows in row_chunks(*flat.shape, flat.device, chunk_bytes)
+            ]
+            ctx.save_for_backward(logits, targets)
+            return torch.cat(losses).mean()
         m, log_sum, losses = [], [], []
-        ctx.chunk_bytes = chunk_bytes
         for rows in row_chunks(*flat.shape, flat.device, chunk_bytes):
             z = _at_least_float32(flat[rows])  # [n, V]
             m.append(z.amax(dim=-1, keepdim=True))  # [n, 1]
@@ -90,15 +108,20 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        logits, targets, m, log_sum = ctx.saved_tensors
+        logits, targets, *stats = ctx.saved_tensors
         flat = logits.reshape(-1, logits.shape[-1])
         y = targets.reshape(-1).long()
         grad = torch.empty_like(flat)  # in the logits' dtype
+        scale = grad_loss / y.shape[0]
         for rows in row_chunks(*flat.shape, flat.device, ctx.chunk_bytes):
-            chunk = (_at_least_float32(flat[rows]) - m[rows]).sub_(log_sum[rows]).exp_()  # softmax(z)
+            if ctx.fused:
+                chunk = F.softmax(flat[rows], dim=-1, dtype=torch.promote_types(flat.dtype, torch.float32))
+            else:
+                m, log_sum = stats
+                chunk = (_at_least_float32(flat[rows]) - m[rows]).sub_(log_sum[rows]).exp_()  # softmax(z)
             chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
-            grad[rows] = chunk.mul_(grad_loss / y.shape[0])
-        return grad.reshape(logits.shape), None, None
+            torch.mul(chunk, scale, out=grad[rows])  # scaled and cast to the logits' dtype in one pass
+        return grad.reshape(logits.shape), None, None, None
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -166,12 +189,37 @@ def gradient_clip(parameters: Iterable[torch.Tensor], max_norm: float, eps: floa
     return total_norm
 
 
-def squared_norms(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """[len(grads)] float32 on `device`: the squared L2 norm of each tensor (summed in float32 at
-    least), 0 for None. One vector of the same length whichever gradients are present, so that a
-    sum over it does not depend on where the zeros came from (see ShardedOptimizer.clip_grad_norm_)."""
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([zero if g is None else g.float().pow(2).sum() for g in grads])
+def squared_norms(
+    grads: list[torch.Tensor | None], device: torch.device, fused: bool | None = None
+) -> torch.Tensor:
+    """[len(grads)] float32 on `device`: the squared L2 norm of each tensor (taken in at least
+    float32), 0 for None. One vector of the same length whichever gradients are present, so that a
+    sum over it does not depend on where the zeros came from (see ShardedOptimizer.clip_grad_norm_).
+
+    `fused` (default: on CUDA): one multi-tensor norm (`torch._foreach_norm`) per dtype, squared,
+    instead of a sum of squares per tensor: a few kernels instead of two per tensor, the same up to
+    float rounding. On the CPU, where the multi-tensor norm is itself a loop over the tensors, the
+    per-tensor sums keep the runs' bits.
+    """
+    if fused is None:
+        fused = torch.device(device).type == "cuda"
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not fused or not present:
+        squared = torch.zeros(len(grads), dtype=torch.float32, device=device)
+        for i in present:
+            squared[i] = grads[i].float().pow(2).sum()
+        return squared
+    norms = [torch.zeros((), dtype=torch.float32, device=device)] * len(grads)  # 0 without a gradient
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in present:
+        by_dtype.setdefault(grads[i].dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        wide = torch.promote_types(dtype, torch.float32)
+        for i, norm in zip(
+            indices, torch._foreach_norm([grads[i] for i in indices], 2, dtype=wide), strict=True
+        ):
+            norms[i] = norm.to(device=device, dtype=torch.float32)
+    return torch.stack(norms) ** 2  # no index tensor to copy to the device: no host sync
 
 
 @torch.no_grad()
@@ -181,5 +229,8 @@ def scale_to_norm(
     """Multiply `grads` in place by min(1, max_norm / (total_norm + eps)): the clip of `gradient_clip`."""
     # A tensor factor clamped at 1 rather than an `if`: no device-to-host sync on GPUs.
     scale = (max_norm / (total_norm + eps)).clamp(max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
-        g.mul_(scale.to(g.dtype))
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, scale.to(dtype))

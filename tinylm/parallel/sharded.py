@@ -231,7 +231,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = params[0].device
         summed = torch.zeros(len(params), dtype=torch.float32, device=device)
         if held:
-            index = torch.tensor([i for i, _ in held], device=device)
+            # Copied without waiting (non_blocking): a plain copy to a GPU would sync with the host.
+            index = torch.tensor([i for i, _ in held]).to(device, non_blocking=True)
             summed.index_add_(0, index, squared_norms([g for _, g in held], device))
         if self.world_size > 1:
             dist.all_reduce(summed)
