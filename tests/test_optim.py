@@ -91,6 +91,57 @@ def test_param_groups_decay_matrices_only_and_train_like_torch():
     _assert_params_close(model, torch_model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_adamw_is_ours_up_to_rounding(dtype):
+    """AdamW(fused=True), torch's fused kernel (the default on CUDA; tests/test_cuda.py checks it
+    there), against our multi-tensor update, both given the same gradients for 20 steps of two
+    groups at a warmup-then-cosine learning rate, and against ours in float64 on those gradients.
+
+    float32: parameters and both moments within 1e-5 of ours (float32 rounding), the step counters
+    the same and still on the CPU. bf16 parameters and state round at every line of ours and once
+    per step in the kernel: there each is within its distance to float64 of the other, and the
+    kernel no farther from float64 than ours (it rounds less)."""
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG).to(dtype)
+    nets = [model, copy.deepcopy(model), copy.deepcopy(model).double()]  # fused, ours, ours in float64
+    opts = [
+        AdamW(_param_groups(net, 1e-2), lr=1e-2, betas=(0.9, 0.95), fused=fused)
+        for net, fused in zip(nets, (True, False, False), strict=True)
+    ]
+    g = torch.Generator().manual_seed(3)
+    for it in range(20):
+        tokens = torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["context_length"] + 1), generator=g)
+        lr = cos_lr_scheduler(it, 4, 20, 1e-3, 1e-2)
+        for opt in opts:
+            for group, scale in zip(opt.param_groups, (1.0, 1 / 3), strict=True):
+                group["lr"] = lr * scale
+        model.zero_grad(set_to_none=True)
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        for p, q, r in zip(*(net.parameters() for net in nets), strict=True):
+            q.grad, r.grad = p.grad.clone(), p.grad.double()
+        for opt in opts:
+            opt.step()
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+    fused, ours, exact = opts
+    for p, q, r in zip(*(net.parameters() for net in nets), strict=True):
+        assert fused.state[p]["step"].device.type == "cpu"
+        assert fused.state[p]["step"].item() == ours.state[q]["step"].item() == 20
+        for mine, theirs, truth in (
+            (p, q, r),
+            *((fused.state[p][k], ours.state[q][k], exact.state[r][k]) for k in ("exp_avg", "exp_avg_sq")),
+        ):
+            assert mine.dtype == theirs.dtype == dtype
+            if dtype == torch.float32:
+                assert distance(mine, theirs) <= 1e-5
+            else:
+                assert distance(mine, theirs) <= distance(mine, truth) + distance(theirs, truth)
+                assert distance(mine, truth) <= 1.05 * distance(theirs, truth) + 1e-3
+    assert not torch.allclose(model.lm_head.weight.float(), Transformer(**CONFIG).lm_head.weight)
+
+
 def test_adamw_groups_tensors_of_several_dtypes_and_keeps_step_counters_on_the_cpu():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 2, dtype=dtype)) for dtype in (torch.float32, torch.float64)]

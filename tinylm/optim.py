@@ -17,7 +17,10 @@ class AdamW(torch.optim.Optimizer):
         p   <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
     Each line runs as one multi-tensor (`torch._foreach_*`) call over all parameters of a group that
-    share a device and dtype, instead of a few small kernels per parameter.
+    share a device and dtype, instead of a few small kernels per parameter. With `fused` (default:
+    on CUDA) the whole update is torch's fused AdamW kernel instead, one pass over the parameters
+    where the lines above are about twenty: the same update up to float rounding
+    (tests/test_optim.py checks it against the lines above, which stay the reference).
 
     State per parameter: `step` (a float32 0-d tensor on the CPU, as torch keeps it: reading it never
     waits for the GPU), `exp_avg` (m) and `exp_avg_sq` (v), beside the parameter. Each param group
@@ -32,6 +35,7 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        fused: bool | None = None,
     ):
         if lr < 0.0:
             raise ValueError(f"invalid learning rate: {lr}")
@@ -43,6 +47,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -51,17 +56,18 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            adamw_group_step(group, self.state)
+            adamw_group_step(group, self.state, self.fused)
         return loss
 
 
 @torch.no_grad()
-def adamw_group_step(group: dict, state: dict) -> None:
+def adamw_group_step(group: dict, state: dict, fused: bool | None = None) -> None:
     """One AdamW update of the parameters of `group` that have a gradient (see `AdamW`).
 
     `group` is a param group (params, lr, betas, eps, weight_decay); `state` is the optimizer's
     state mapping, parameter -> {"step", "exp_avg", "exp_avg_sq"}, filled in on a parameter's first
-    update. Shared by `AdamW` and the AdamW groups of `tinylm.muon.Muon`.
+    update. `fused`: torch's fused kernel (None: on CUDA), or the multi-tensor lines. Shared by
+    `AdamW` and the AdamW groups of `tinylm.muon.Muon`.
     """
     lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     for params in _by_device_and_dtype(p for p in group["params"] if p.grad is not None):
@@ -71,6 +77,26 @@ def adamw_group_step(group: dict, state: dict) -> None:
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)  # CPU tensors: no device work, no sync
+        if params[0].device.type == "cuda" if fused is None else fused:
+            # The kernel reads the step counts on the parameters' device: one copy of all of them,
+            # which does not wait for the device (no sync); the state keeps its counts on the CPU.
+            on_device = torch.stack(steps).to(params[0].device, non_blocking=True).unbind()
+            torch._fused_adamw_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                list(on_device),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            continue
         t = [step.item() for step in steps]
 
         if weight_decay != 0.0:
