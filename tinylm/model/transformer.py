@@ -29,7 +29,7 @@ from tinylm.model.attention import CausalSelfAttention
 from tinylm.model.kv_cache import KVCache
 from tinylm.model.layers import GEGLU, Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU
 from tinylm.model_options import NO_OPTIONS, OPTION_NAMES, ModelOptions
-from tinylm.nn_utils import softcap
+from tinylm.nn_utils import cross_entropy, softcap
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see Transformer.set_activation_checkpointing
 
@@ -108,7 +108,8 @@ class Transformer(nn.Module):
     forward: token ids [B, T] (any integer dtype, T <= context_length) -> logits [B, T, vocab_size],
     where logits[:, t] predict the token after position t from positions 0 .. t only. With
     `kv_cache` (from `new_kv_cache`), the ids are the positions after the kv_cache.length cached
-    ones, and logits[:, t] see the cached positions too.
+    ones, and logits[:, t] see the cached positions too. With `targets` ([B, T] ids), forward
+    returns their mean cross-entropy instead (a float32 scalar; `output_loss`).
 
     `model.config` holds the constructor's values, so `Transformer(**model.config)` rebuilds the same
     architecture (e.g. from a checkpoint). One RotaryEmbedding (cos/sin cache) is shared by all layers.
@@ -198,7 +199,15 @@ class Transformer(nn.Module):
             self.token_embeddings.weight = self.lm_head.weight
         self.recomputed_layers: frozenset[int] = frozenset()  # see set_activation_checkpointing
 
-    def forward(self, token_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, kv_cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.hidden_states(token_ids, kv_cache)
+        return self.output_logits(x) if targets is None else self.output_loss(x, targets)
+
+    def hidden_states(self, token_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids [B, T] -> the last block's output [B, T, d_model] (before ln_final); the
+        kv_cache, if given, advanced by T."""
         if token_ids.dim() != 2:
             raise ValueError(f"expected token ids of shape [batch, seq_len], got {tuple(token_ids.shape)}")
         seq_len = token_ids.shape[1]
@@ -222,11 +231,27 @@ class Transformer(nn.Module):
                 x = layer(x, kv_cache, i, token_ids)
         if kv_cache is not None:
             kv_cache.advance(seq_len)
+        return x
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output [B, T, d_model] -> logits [B, T, vocab_size]: ln_final, lm_head and
+        the soft-cap."""
         logits = self.lm_head(self.ln_final(x))
         if self.logit_softcap is not None:
             # Logit soft-capping (Gemma 2; the nanoGPT speedrun and nanochat), in at least float32.
             logits = softcap(logits, self.logit_softcap)
         return logits
+
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last block's output [B, T, d_model] and targets [B, T] -> their mean cross-entropy.
+
+        The logits (in the autocast dtype) exist only inside this region, which `train.compile`
+        compiles whole (fullgraph): Inductor then fuses the head's epilogue, the soft-cap and each
+        chunk of the cross-entropy's passes. The loss itself runs outside autocast, in float32.
+        """
+        logits = self.output_logits(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return cross_entropy(logits, targets)
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
         """An empty cache for `batch_size` sequences of up to context_length positions."""

@@ -173,19 +173,21 @@ class DDP(nn.Module):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero every gradient in place (the buckets, one fill each), keeping `.grad` storage.
+        """Zero every bucket in place (one fill each), keeping the `.grad` views into them; drop
+        every other `.grad` (a world of one has no buckets: its next backward writes fresh gradients,
+        with no fill pass before it).
 
-        set_to_none=True drops the `.grad`s instead, as nn.Module.zero_grad does (the next backward
-        then allocates fresh gradients, which DDP copies into its buckets).
+        set_to_none=True drops the bucketed `.grad`s too, as nn.Module.zero_grad does (the next
+        backward then allocates fresh gradients, which DDP copies into its buckets).
         """
         if set_to_none:
             self.module.zero_grad(set_to_none=True)
             return
         for bucket in self._buckets:
             bucket.buffer.zero_()
-        loose = [p.grad for p in self.module.parameters() if p.grad is not None and p not in self._where]
-        if loose:  # a world of one keeps autograd's own gradients
-            torch._foreach_zero_(loose)
+        for p in self.module.parameters():
+            if p not in self._where:
+                p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

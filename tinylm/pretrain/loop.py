@@ -91,7 +91,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     model.set_activation_checkpointing(train.activation_checkpointing)
     optimizer = build_optimizer(model, train, ctx.world_size)  # train.optimizer, sharded when asked
     if train.compile:
-        compile_blocks(model, ctx.world_size)
+        compile_model(model, ctx.world_size, device)
     # A sharded optimizer (ZeRO-1) lays the parameters out in buckets of equal slices: DDP then
     # reduce-scatters each gradient bucket into the slices, and each rank unscales and clips its own.
     ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, shards=gradient_shards(optimizer))
@@ -111,8 +111,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
             x, y = batches.get(step, micro_step)
             with ddp.no_sync() if micro_step < accum - 1 else contextlib.nullcontext():
                 with autocast(device, dtype):
-                    logits = ddp(x)
-                micro_loss = cross_entropy(logits, y) / accum  # float32; summed: the mean's gradient
+                    micro_loss = ddp(x, targets=y) / accum  # float32; summed: the mean's gradient
                 (micro_loss * scaler.scale).backward()
             loss += micro_loss.detach()
         ddp.finish_gradient_sync()
@@ -160,16 +159,22 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     log.finish()
 
 
-def compile_blocks(model: Transformer, world_size: int) -> None:
-    """torch.compile each Transformer block on its own (train.compile).
+def compile_model(model: Transformer, world_size: int, device: torch.device) -> None:
+    """torch.compile each Transformer block on its own and, on CUDA, the loss region (train.compile).
 
     Block by block, so that each block's backward is one autograd node and DDP's buckets start
     while earlier blocks are still in backward (a whole-model graph would start none before its
-    backward ends); one graph serves every block, and state-dict names stay plain.
+    backward ends); one graph serves every block, and state-dict names stay plain. The loss region
+    (`Transformer.output_loss`: ln_final, the head, the soft-cap and the cross-entropy) is one graph
+    with no break in it (fullgraph), where Inductor fuses each chunk's passes over the logits. Not
+    on the CPU: there the eager chunks already run in a core's cache, and compiling the region
+    takes about 40 s for no measured gain (bench/RESULTS.md, "The GPU step").
     """
     limit_compile_threads(ranks_on_this_machine(world_size))
     for block in model.layers:
         block.compile()
+    if device.type == "cuda":
+        model.output_loss = torch.compile(model.output_loss, fullgraph=True)
 
 
 @torch.no_grad()
