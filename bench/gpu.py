@@ -1,28 +1,46 @@
-"""GPU training-step speed: tinylm beside the torch-native baseline at GPT-2-small shape, bf16.
+"""The GPU training step: tinylm beside a strong torch-native baseline, where its time goes, and
+what each fast path is worth.
 
-One training step is the tinylm loop's step on one device: forward under bf16 autocast, loss in
-float32, backward, gradient clip, AdamW (ours: multi-tensor, two param groups), with and without
-torch.compile (both sides compile each Transformer block, as the trainer does), and with full and
-selective activation checkpointing (train.activation_checkpointing), whose rows give the memory
-it saves and the speed it costs. The baseline is
-written as a PyTorch user would write it for speed: fused q/k/v projection,
-F.scaled_dot_product_attention, nn.RMSNorm, F.cross_entropy, torch.optim.AdamW(fused=True) and
-clip_grad_norm_(foreach=True). Each variant runs in
-its own subprocess so that its peak memory (torch.cuda.max_memory_allocated) is its own. Reports
-tokens/s, MFU (tinylm/throughput.py: 6 x matmul weights + attention, over the table's bf16 peak)
-and peak memory, with ratios to the baseline of the same compile setting.
+One training step at GPT-2-small shape (vocab 50,304, context 1,024, d_model 768, 12 layers, batch
+16), bf16 autocast, is forward to the loss, backward, gradient clip at 1.0 and AdamW. Each variant
+runs in its own process (its peak memory is its own) and reports:
 
-    python bench/gpu.py                     # on a CUDA machine: about 5 minutes, markdown on stdout
-    python bench/gpu.py --out results.json  # also the raw figures
-    python bench/gpu.py --smoke             # a tiny shape for a few steps (runs on the CPU too)
+- tokens/s (median step), MFU (tinylm/throughput.py's FLOP count, the log's, over the table's bf16
+  peak), peak memory (torch.cuda.max_memory_allocated) beside the memory plan's tensors;
+- per-region times from CUDA events around each part of the step: forward (embeddings and blocks),
+  loss (the head, the soft-cap and the cross-entropy), backward, clip, optimizer (median over the
+  timed steps; the baseline compiled whole has forward and loss as one region);
+- the device's kernels of one step and torch.profiler's top 40 kernels by device time, written to
+  `<out dir>/profile_<variant>.txt`;
+- for compiled variants, torch._dynamo's graph breaks and the recompilations after the warm-up
+  steps, both of which must be 0.
 
-The baseline model (`FusedNativeTransformer` below) has tinylm's architecture (RoPE, RMSNorm,
-SwiGLU, no biases, untied head) built from PyTorch's own parts.
+The baseline ("native") is what a careful PyTorch user writes for speed: tinylm's architecture from
+PyTorch's parts (fused q/k/v projection, F.scaled_dot_product_attention, nn.RMSNorm, SwiGLU, RoPE,
+untied head), F.cross_entropy on float32 logits inside the forward, torch.optim.AdamW(fused=True),
+clip_grad_norm_(foreach=True); compiled, the whole model with its loss is one torch.compile.
+tinylm is the trainer's step: `model(x, targets=y)`, ours everywhere, compiled as
+`train.compile` compiles (tinylm.pretrain.loop.compile_model: each block, and the loss region).
+
+The ablation rows change one thing each against "tinylm" (eager) or "tinylm+compile": the fused
+cross-entropy, the fused AdamW, the multi-tensor clip, F.rms_norm (against our written-out formula),
+the attention backend (flash, cuDNN, memory-efficient, math), deterministic kernels (train.deterministic),
+activation checkpointing.
+
+    python bench/gpu.py                          # every variant (about 8 minutes, cold caches)
+    python bench/gpu.py --variants native tinylm --out-dir bench/out
+    python bench/gpu.py --smoke                  # a tiny shape for a few steps: runs on the CPU too
+
+On the CPU (--smoke), "kernels" are the aten operators that ran (leaves of the profiler's tree),
+the fused paths are forced on as on CUDA (their kernels are torch's CPU ones), and the attention
+backend rows are skipped: they are CUDA's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import subprocess
@@ -38,40 +56,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GPT2_SMALL = dict(vocab_size=50304, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048)
 SMOKE = dict(vocab_size=512, context_length=64, d_model=64, num_layers=2, num_heads=2, d_ff=128)
-# name -> (model, compile, deterministic kernels, activation checkpointing); the baselines first, so
-# that each tinylm row can give its ratio as soon as it is measured.
+REGIONS = ("forward", "loss", "backward", "clip", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    impl: str  # "native" or "tinylm"
+    compiled: bool = False
+    fused_loss: bool = True  # tinylm: cross_entropy(fused=)
+    compile_loss: bool = True  # tinylm+compile on CUDA: the loss region compiled whole
+    fused_adamw: bool = True
+    fused_clip: bool = True
+    rms_norm: str = "torch"  # "torch" (F.rms_norm) or "formula" (written out)
+    attention: str | None = None  # an SDPA backend to force, or None for torch's choice
+    deterministic: bool = False
+    checkpointing: str = "none"
+
+    def compared_to(self) -> str:
+        return "native+compile" if self.compiled else "native"
+
+
 VARIANTS = {
-    "native": ("native", False, False, "none"),
-    "native+compile": ("native", True, False, "none"),
-    "tinylm": ("tinylm", False, False, "none"),
-    "tinylm, full checkpointing": ("tinylm", False, False, "full"),
-    "tinylm, selective checkpointing": ("tinylm", False, False, "selective"),
-    "tinylm+compile": ("tinylm", True, False, "none"),
-    "tinylm+compile, deterministic": ("tinylm", True, True, "none"),
-    "tinylm+compile, full checkpointing": ("tinylm", True, False, "full"),
-    "tinylm+compile, selective checkpointing": ("tinylm", True, False, "selective"),
+    "native": Variant("native"),
+    "native+compile": Variant("native", compiled=True),
+    "tinylm": Variant("tinylm"),
+    "tinylm+compile": Variant("tinylm", compiled=True),
+    # Every fast path off: the CPU's own step, and tinylm's GPU step before the fused paths.
+    "tinylm, no fast paths": Variant(
+        "tinylm", fused_loss=False, fused_adamw=False, fused_clip=False, rms_norm="formula"
+    ),
+    # One change each against tinylm (eager).
+    "tinylm, unfused loss": Variant("tinylm", fused_loss=False),
+    "tinylm, unfused AdamW": Variant("tinylm", fused_adamw=False),
+    "tinylm, per-tensor clip": Variant("tinylm", fused_clip=False),
+    "tinylm, RMSNorm formula": Variant("tinylm", rms_norm="formula"),
+    "tinylm, deterministic": Variant("tinylm", deterministic=True),
+    "tinylm, full checkpointing": Variant("tinylm", checkpointing="full"),
+    "tinylm, selective checkpointing": Variant("tinylm", checkpointing="selective"),
+    # One change each against tinylm+compile.
+    "tinylm+compile, loss region eager": Variant("tinylm", compiled=True, compile_loss=False),
+    "tinylm+compile, flash attention": Variant("tinylm", compiled=True, attention="FLASH_ATTENTION"),
+    "tinylm+compile, cuDNN attention": Variant("tinylm", compiled=True, attention="CUDNN_ATTENTION"),
+    "tinylm+compile, efficient attention": Variant("tinylm", compiled=True, attention="EFFICIENT_ATTENTION"),
+    "tinylm+compile, math attention": Variant("tinylm", compiled=True, attention="MATH"),
+    "tinylm+compile, deterministic": Variant("tinylm", compiled=True, deterministic=True),
+    "tinylm+compile, full checkpointing": Variant("tinylm", compiled=True, checkpointing="full"),
 }
+EAGER = [name for name, v in VARIANTS.items() if not v.compiled]
+COMPILED = [name for name, v in VARIANTS.items() if v.compiled]
 
 
-def build(impl: str, shape: dict, device: torch.device):
-    """(model, optimizer, loss function) on `device`, parameters float32."""
-    if impl == "tinylm":
-        from tinylm.model import Transformer
-        from tinylm.nn_utils import cross_entropy
-        from tinylm.optim import AdamW, param_groups
-
-        model = Transformer(**shape, device=device)
-        return model, AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95)), cross_entropy
-    model = FusedNativeTransformer(**shape).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=3e-4,
-        betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-    )
-    return model, optimizer, lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+# ---------------------------------------------------------------- the baseline
 
 
 class FusedNativeBlock(torch.nn.Module):
@@ -98,6 +133,8 @@ class FusedNativeBlock(torch.nn.Module):
 
 
 class FusedNativeTransformer(torch.nn.Module):
+    """tinylm's architecture from PyTorch's parts; forward(ids, targets) is the mean cross-entropy."""
+
     def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta=10000.0):
         super().__init__()
         from train_step import NativeRoPE
@@ -110,14 +147,216 @@ class FusedNativeTransformer(torch.nn.Module):
         self.ln_final = torch.nn.RMSNorm(d_model, eps=1e-5)
         self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.ln_final(x))
+        return x
+
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_final(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.output_loss(self.hidden_states(ids), targets)
 
 
-def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str) -> float:
+# ---------------------------------------------------------------- one variant
+
+
+def rms_norm_formula(self, x: torch.Tensor) -> torch.Tensor:
+    """tinylm's RMSNorm written out (the ablation of F.rms_norm): about seven kernels forward."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    inv_rms = torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+    return (wide * inv_rms * self.weight).to(x.dtype)
+
+
+def build(variant: Variant, shape: dict, device: torch.device):
+    """(model, optimizer, clip) on `device`, float32 parameters, the variant's switches applied."""
+    if variant.impl == "native":
+        model = FusedNativeTransformer(**shape).to(device)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=3e-4,
+            betas=(0.9, 0.95),
+            fused=True,
+        )
+        if variant.compiled:
+            model = torch.compile(model)  # the whole model with its loss
+        return model, optimizer, lambda params: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+
+    import tinylm.model.transformer as transformer
+    import tinylm.nn_utils as nn_utils
+    from tinylm.model import Transformer
+    from tinylm.model.layers import RMSNorm
+    from tinylm.optim import AdamW, param_groups
+    from tinylm.pretrain.loop import compile_model
+
+    # The switches, set as the defaults the trainer's code sees (on CUDA every fused path is the
+    # default; on the CPU they are forced on, so that the rows mean the same on both).
+    transformer.cross_entropy = functools.partial(nn_utils.cross_entropy, fused=variant.fused_loss)
+    nn_utils.squared_norms = functools.partial(nn_utils.squared_norms, fused=variant.fused_clip)
+    if variant.rms_norm == "formula":
+        RMSNorm.forward = rms_norm_formula
+    model = Transformer(**shape, device=device)
+    model.set_activation_checkpointing(variant.checkpointing)
+    optimizer = AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), fused=variant.fused_adamw)
+    if variant.compiled:
+        compile_model(model, 1, device)
+        if not variant.compile_loss and "output_loss" in vars(model):
+            del model.output_loss  # the class's method again: the loss region eager
+    return model, optimizer, lambda params: nn_utils.gradient_clip(params, 1.0)
+
+
+class RegionTimer:
+    """Device time of each named region of a step: CUDA events on CUDA, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = time.perf_counter()
+        self.marks.append((name, event))
+
+    def elapsed_ms(self) -> dict[str, float]:
+        """{region: ms} between consecutive marks (after a sync), and the marks cleared."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for (_, start), (name, end) in zip(self.marks, self.marks[1:], strict=False):
+            out[name] = start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+        self.marks.clear()
+        return out
+
+
+def kernels_of(prof, device: torch.device, steps: int) -> tuple[float, str]:
+    """(kernels per step, the top-40 table) of a profile of `steps` steps."""
+    if device.type == "cuda":
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        count = len(events) or sum(len(e.kernels) for e in prof.events())
+        sort_by = "self_device_time_total"
+    else:  # the aten operators that did the work: those that called no other aten operator
+        events = [
+            e
+            for e in prof.events()
+            if e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
+        ]
+        count = len(events)
+        sort_by = "self_cpu_time_total"
+    return count / steps, prof.key_averages().table(sort_by=sort_by, row_limit=40)
+
+
+def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out_dir: Path | None) -> dict:
+    import torch._dynamo
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tinylm.flops import flops_per_token
+    from tinylm.precision import autocast, configure_kernels
+    from tinylm.throughput import mfu, peak_flops, peak_memory_mib
+
+    variant = VARIANTS[name]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    configure_kernels(device, variant.deterministic)
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    model, optimizer, clip = build(variant, shape, device)
+    generator = torch.Generator().manual_seed(1)
+    V, T = shape["vocab_size"], shape["context_length"]
+    timer = RegionTimer(device)
+
+    def step(timed: bool) -> None:
+        ids = torch.randint(0, V, (batch_size, T + 1), generator=generator).to(device, non_blocking=True)
+        x, y = ids[:, :-1], ids[:, 1:]
+        mark = timer.mark if timed else (lambda _: None)
+        mark("start")
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(device, dtype):
+            if variant.impl == "native" and variant.compiled:
+                loss = model(x, y)
+                mark("forward+loss")
+            else:
+                hidden = model.hidden_states(x)
+                mark("forward")
+                loss = model.output_loss(hidden, y)
+                mark("loss")
+        loss.backward()
+        mark("backward")
+        clip(model.parameters())
+        mark("clip")
+        optimizer.step()
+        mark("optimizer")
+
+    attention = (
+        sdpa_kernel(getattr(SDPBackend, variant.attention))
+        if variant.attention and device.type == "cuda"
+        else torch.autograd.profiler.record_function("sdpa: torch's choice")
+    )
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    with attention:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            step(timed=False)
+        sync()
+        warmup_s = time.perf_counter() - start
+        graphs_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        times, regions = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(timed=True)
+            regions.append(timer.elapsed_ms())  # syncs
+            times.append(time.perf_counter() - start)
+        peak_mib = peak_memory_mib(device)
+        recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup
+        graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiled = 2
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(profiled):
+                step(timed=False)
+            sync()
+    kernels, table = kernels_of(prof, device, profiled)
+    if out_dir is not None:
+        safe = "".join(c if c.isalnum() else "_" for c in name)
+        (out_dir / f"profile_{safe}.txt").write_text(f"{name}: {kernels:.0f} kernels per step\n\n{table}\n")
+
+    tokens = batch_size * T
+    tok_s = tokens / statistics.median(times)
+    peak = peak_flops(device, dtype, tf32=not variant.deterministic)
+    planned = (
+        planned_tensor_mib(shape, batch_size, variant.checkpointing, device)
+        if variant.impl == "tinylm"
+        else None
+    )
+    return {
+        "variant": name,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "tokens_per_s": tok_s,
+        "mfu": mfu(tok_s, flops_per_token(shape), peak, 1),
+        "peak_memory_mib": peak_mib,
+        "planned_tensor_mib": planned,
+        "regions_ms": {k: statistics.median(r[k] for r in regions) for k in regions[0]},
+        "kernels_per_step": kernels,
+        "graph_breaks": graph_breaks if variant.compiled else None,
+        "recompiles": recompiles if variant.compiled else None,
+        "warmup_s": warmup_s,
+        "step_s": times,
+    }
+
+
+def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str, device: torch.device) -> float:
     """The memory plan's total without its framework part (tinylm/pretrain/memory.py): what
     torch.cuda.max_memory_allocated should see for one rank training this shape with AdamW in bf16."""
     from tinylm.config import from_dict
@@ -133,74 +372,30 @@ def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str) -> floa
             }
         }
     ).train
-    # Planned for this machine's GPU (the loss in a GPU's chunks of rows), as `pretrain` plans it.
-    plan = plan_memory(dict(shape), train, 1, "cuda:0")
+    plan = plan_memory(dict(shape), train, 1, "cuda:0" if device.type == "cuda" else "cpu")
     return (plan.total - plan.parts["framework"]) / 2**20
 
 
-def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int) -> dict:
-    from tinylm.flops import flops_per_token
-    from tinylm.nn_utils import gradient_clip
-    from tinylm.precision import autocast, configure_kernels
-    from tinylm.throughput import mfu, peak_flops, peak_memory_mib
+# ---------------------------------------------------------------- the table
 
-    impl, compiled, deterministic, checkpointing = VARIANTS[name]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    configure_kernels(device, deterministic)
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    model, optimizer, loss_fn = build(impl, shape, device)
-    if impl == "tinylm":
-        model.set_activation_checkpointing(checkpointing)
-    if compiled:  # block by block on both sides, as the trainer compiles
-        for block in model.layers:
-            block.compile()
-    generator = torch.Generator().manual_seed(1)
-    V, T = shape["vocab_size"], shape["context_length"]
 
-    def step() -> None:
-        ids = torch.randint(0, V, (batch_size, T + 1), generator=generator).to(device, non_blocking=True)
-        with autocast(device, dtype):
-            logits = model(ids[:, :-1])
-        loss = loss_fn(logits, ids[:, 1:])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if impl == "tinylm":
-            gradient_clip(model.parameters(), 1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer.step()
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    start = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    sync()
-    warmup_s = time.perf_counter() - start
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    tokens = batch_size * T
-    tok_s = tokens / statistics.median(times)
-    peak = peak_flops(device, dtype, tf32=not deterministic)
-    utilisation = mfu(tok_s, flops_per_token(shape), peak, 1)
-    planned = planned_tensor_mib(shape, batch_size, checkpointing) if impl == "tinylm" else None
-    return {
-        "variant": name,
-        "planned_tensor_mib": planned,
-        "tokens_per_s": tok_s,
-        "mfu": utilisation,
-        "peak_memory_mib": peak_memory_mib(device),
-        "warmup_s": warmup_s,
-        "step_s": times,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-    }
+def row(r: dict, by_name: dict) -> str:
+    variant = VARIANTS[r["variant"]]
+    baseline = by_name.get(variant.compared_to())
+    ratio = f"{r['tokens_per_s'] / baseline['tokens_per_s']:.2f}x" if baseline and baseline is not r else "-"
+    mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    planned = r["planned_tensor_mib"]
+    plan = "-" if planned is None else f"{planned:,.0f} ({planned / r['peak_memory_mib']:.2f})"
+    ms = r["regions_ms"]
+    if "forward+loss" in ms:  # the baseline compiled whole: one region to the loss
+        ms = {**ms, "forward": ms["forward+loss"], "loss": float("nan")}
+    regions = " / ".join("-" if ms[k] != ms[k] else f"{ms[k]:.1f}" for k in REGIONS)
+    compiler = "-" if r["graph_breaks"] is None else f"{r['graph_breaks']} / {r['recompiles']}"
+    memory = f"{r['peak_memory_mib']:,.0f} | {plan}"
+    return (
+        f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {regions} | "
+        f"{r['kernels_per_step']:,.0f} | {compiler} | {memory} | {r['warmup_s']:.1f} |"
+    )
 
 
 def main() -> None:
@@ -216,62 +411,58 @@ def main() -> None:
         "--warmup", type=int, default=5, help="untimed steps first (compilation happens here)"
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--out", type=Path, help="write the raw figures as JSON here")
+    parser.add_argument("--eager", action="store_true", help="the eager variants only")
+    parser.add_argument("--compiled", action="store_true", help="the compiled variants only")
+    parser.add_argument("--out-dir", type=Path, help="results.json and one profile file per variant here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = SMOKE if args.smoke else GPT2_SMALL
     steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
     batch_size = 2 if args.smoke else args.batch_size
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.worker:
-        print(json.dumps(worker(args.worker, shape, batch_size, steps, warmup)))
+        result = worker(args.worker, shape, batch_size, steps, warmup, args.out_dir)
+        print(json.dumps(result))
         return
 
+    names = EAGER if args.eager else COMPILED if args.compiled else args.variants
+    if not torch.cuda.is_available():
+        names = [n for n in names if VARIANTS[n].attention is None]  # the backends are CUDA's
     # Every figure is written as soon as it is measured (a session may be cut short): a row of the
-    # markdown table on stdout, and the JSON of every result so far at --out.
+    # markdown table on stdout, and the JSON of every result so far in --out-dir.
     print(
         f"Training step at {'smoke' if args.smoke else 'GPT-2-small'} shape {shape}, batch {batch_size} x "
-        f"{shape['context_length']} tokens, bf16 autocast, torch {torch.__version__}; median of "
-        f"{steps} steps after {warmup} warm-up steps; each variant in its own process.\n"
+        f"{shape['context_length']} tokens, bf16 autocast, torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; median of {steps} steps "
+        f"after {warmup} warm-up steps; each variant in its own process. Regions in ms: forward / loss / "
+        f"backward / clip / optimizer (the baseline compiled whole: forward and loss as one). "
+        "Compiler: graph breaks / recompiles after warm-up.\n"
     )
     print(
-        "| variant | device | tokens/s | vs native (same compile) | MFU | peak memory MiB "
-        "| planned MiB (plan / peak) | warm-up s |"
+        "| variant | tokens/s | vs native (same compile) | MFU | regions ms | kernels per step "
+        "| compiler | peak MiB | planned MiB (plan / peak) | warm-up s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("|---|---:|---:|---:|---|---:|---|---:|---:|---:|", flush=True)
     results, by_name = [], {}
-    for name in args.variants:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            name,
-            "--batch-size",
-            str(batch_size),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-        ] + (["--smoke"] if args.smoke else [])
+    for name in names:
+        cmd = [sys.executable, __file__, "--worker", name, "--batch-size", str(batch_size)]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += (["--smoke"] if args.smoke else []) + (
+            ["--out-dir", str(args.out_dir)] if args.out_dir else []
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
+            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1][:200]} |", flush=True)
             print(f"{name}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(r)
         by_name[name] = r
-        native = by_name.get("native+compile" if "compile" in name else "native")
-        ratio = f"{r['tokens_per_s'] / native['tokens_per_s']:.2f}x" if native and native is not r else "-"
-        utilisation = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        planned = r["planned_tensor_mib"]
-        plan = "-" if planned is None else f"{planned:,.0f} ({planned / r['peak_memory_mib']:.2f})"
-        print(
-            f"| {name} | {r['device']} | {r['tokens_per_s']:,.0f} | {ratio} | {utilisation} | "
-            f"{r['peak_memory_mib']:,.0f} | {plan} | {r['warmup_s']:.1f} |",
-            flush=True,
-        )
-        if args.out:
-            args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(row(r, by_name), flush=True)
+        if args.out_dir:
+            (args.out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

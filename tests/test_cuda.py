@@ -268,3 +268,141 @@ def test_activation_checkpointing_on_cuda_saves_memory_and_keeps_the_gradients()
     for mode in ("selective", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+
+
+# ------------------------------------------------------------------------------------------------
+# The fast paths outside the blocks, on the device where they are the default (the CPU tests hold
+# each to ours with the path forced on: tests/test_nn_utils.py, test_optim.py, test_model.py).
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_cross_entropy_on_cuda_is_ours_up_to_rounding(dtype):
+    from tinylm.nn_utils import cross_entropy
+
+    torch.manual_seed(0)
+    logits = (torch.randn(8, 128, 50304, device="cuda") * 4).to(dtype)
+    targets = torch.randint(0, 50304, (8, 128), device="cuda")
+    results = []
+    for fused in (True, False):
+        leaf = logits.clone().requires_grad_()
+        loss = cross_entropy(leaf, targets, fused=fused)
+        loss.backward()
+        results.append((loss, leaf.grad))
+    (loss, grad), (reference_loss, reference_grad) = results
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(grad.double(), reference_grad.double(), rtol=4 * ulp, atol=ulp / (8 * 128))
+
+
+def test_fused_adamw_and_multi_tensor_clip_on_cuda_are_ours_up_to_rounding():
+    import copy
+
+    from tinylm.model import Transformer
+    from tinylm.nn_utils import cross_entropy, squared_norms
+    from tinylm.optim import AdamW, cos_lr_scheduler, param_groups
+
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=256, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160)
+    model = model.cuda()
+    twin = copy.deepcopy(model)
+    fused = AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))  # the CUDA default: fused
+    ours = AdamW(param_groups(twin, 0.1), lr=1e-2, betas=(0.9, 0.95), fused=False)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for it in range(20):
+        ids = torch.randint(0, 256, (4, 33), device="cuda", generator=g)
+        for opt in (fused, ours):
+            for group in opt.param_groups:
+                group["lr"] = cos_lr_scheduler(it, 4, 20, 1e-3, 1e-2)
+        model.zero_grad(set_to_none=True)
+        cross_entropy(model(ids[:, :-1]), ids[:, 1:]).backward()
+        grads = [p.grad for p in model.parameters()]
+        torch.testing.assert_close(
+            squared_norms(grads, torch.device("cuda")),  # the CUDA default: one multi-tensor norm
+            squared_norms(grads, torch.device("cuda"), fused=False),
+            rtol=1e-5,
+            atol=0,
+        )
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            q.grad = p.grad.clone()
+        fused.step()
+        ours.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert fused.state[p]["step"].device.type == "cpu"
+        scale = q.detach().abs().max()
+        assert (p.detach() - q.detach()).abs().max() <= 1e-5 * scale
+
+
+def test_the_optimizer_step_and_the_clip_do_not_sync_with_the_host():
+    from tinylm.model import Transformer
+    from tinylm.nn_utils import cross_entropy, gradient_clip
+    from tinylm.optim import AdamW, param_groups
+
+    model = Transformer(
+        vocab_size=256, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160
+    ).cuda()
+    optimizer = AdamW(param_groups(model, 0.1), lr=1e-3)
+    ids = torch.randint(0, 256, (4, 33), device="cuda")
+    for _ in range(2):  # the first step creates the state
+        cross_entropy(model(ids[:, :-1]), ids[:, 1:]).backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gradient_clip(model.parameters(), 1.0)
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_rms_norm_on_cuda_is_the_formula_up_to_rounding():
+    from tinylm.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(768).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768) * 0.3 + 1)
+    x = (torch.randn(16, 1024, 768, device="cuda") * 3).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = norm(x)
+    wide = x.float()
+    formula = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    torch.testing.assert_close(ours, formula, rtol=1e-5, atol=1e-5)
+    upstream = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, (x, norm.weight), upstream)
+    expected = torch.autograd.grad(formula, (x, norm.weight), upstream)
+    for mine, theirs in zip(grads, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_loss_region_has_no_graph_break_and_is_the_eager_loss():
+    import torch._dynamo
+
+    from tinylm.model import Transformer
+    from tinylm.pretrain.loop import compile_model
+
+    torch.manual_seed(0)
+    model = Transformer(
+        vocab_size=50304,
+        context_length=128,
+        d_model=256,
+        num_layers=1,
+        num_heads=4,
+        d_ff=512,
+        logit_softcap=15.0,
+    ).cuda()
+    hidden = torch.randn(4, 128, 256, device="cuda")
+    targets = torch.randint(0, 50304, (4, 128), device="cuda")
+    eager = model.output_loss
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_model(model, 1, torch.device("cuda"))
+    losses = []
+    for region in (model.output_loss, eager):
+        leaf = hidden.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = region(leaf, targets)
+        loss.backward()
+        losses.append((loss, leaf.grad))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(losses[0][1], losses[1][1], rtol=2e-2, atol=1e-5)

@@ -125,8 +125,8 @@ class TrainConfig:
         "off, a fixed cuBLAS workspace and no TF32, so a CUDA run reproduces bit for bit on the same "
         "machine. `false`: the fastest kernels, TF32 matmuls for float32 and cuDNN attention; reruns differ "
         "in the last bits. On the CPU the cost is nil (the same kernels run). On GPUs it costs the "
-        "deterministic attention backward and, for float32 models, the TF32 matmul speed-up; `bench/gpu.py` "
-        "measures it",
+        "deterministic attention backward and, for float32 models, the TF32 matmul speed-up; the "
+        "deterministic rows of `bench/gpu.py` (bench/gpu_session.sh) measure it, not yet on a GPU",
         execution=True,
     )
     peak_flops: float | None = key(
