@@ -5,9 +5,10 @@ action=raise raises a RuntimeError, exit ends the process with FAULT_EXIT_CODE w
 kill sends it SIGKILL, hang sleeps forever; nan and overflow return their name (the caller poisons
 the step). Rank functions of the launcher tests call it directly.
 
-`install()` patches tinylm.pretrain.loop so that a real run fails where TINYLM_FAULT says (each
-name it replaces is checked to be the object it was written for, so a rename there fails loudly
-rather than disarming the patch): the first
+`install()` patches tinylm.pretrain.loop and the cross-entropy of the model's loss region
+(tinylm.model.transformer) so that a real run fails where TINYLM_FAULT says (each name it replaces
+is checked to be the object it was written for, so a rename there fails loudly rather than
+disarming the patch): the first
 micro-batch of update S + 1 (0-based step S) on rank R calls `maybe_inject_fault`, and for nan the
 loss of that update's training forwards becomes NaN, for overflow their gradient is multiplied by
 2**100 in backward (finite in float32, an overflow in float16). TINYLM_PARAM_DTYPE=float64 makes
@@ -110,6 +111,7 @@ def _original(owner, name: str, expected):
 
 def install() -> None:
     """Patch tinylm.pretrain.loop as TINYLM_FAULT and TINYLM_PARAM_DTYPE say (nothing if neither is set)."""
+    import tinylm.model.transformer as model_module
     import tinylm.pretrain.loop as training
     from tinylm.data import TrainBatches
     from tinylm.model import Transformer
@@ -122,7 +124,8 @@ def install() -> None:
         return
     poison: dict[str, str | None] = {"action": None}  # the action of the update in progress
     _original(training, "TrainBatches", TrainBatches)
-    get_batch, cross_entropy = TrainBatches.get, _original(training, "cross_entropy", ours)
+    # The training loss is Transformer.output_loss's (model(x, targets=y)).
+    get_batch, cross_entropy = TrainBatches.get, _original(model_module, "cross_entropy", ours)
 
     def get(self, step: int, micro_step: int):
         if micro_step == 0:
@@ -137,4 +140,4 @@ def install() -> None:
         return cross_entropy(logits, targets)
 
     training.TrainBatches.get = get
-    training.cross_entropy = poisoned_cross_entropy
+    model_module.cross_entropy = poisoned_cross_entropy
