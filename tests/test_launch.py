@@ -263,12 +263,19 @@ def test_the_fault_patches_refuse_a_loop_whose_names_changed(monkeypatch):
     """A fault test must not pass because its patch went nowhere: a renamed import in the loop is an error."""
     import _faults
 
+    import tinylm.model.transformer as model_module
     import tinylm.pretrain.loop as training
 
     monkeypatch.setenv(FAULT_ENV, "rank=0,step=1,action=nan")
-    monkeypatch.setattr(training, "cross_entropy", lambda logits, targets: logits.sum())  # not ours any more
-    with pytest.raises(RuntimeError, match=r"tinylm.pretrain.loop.cross_entropy is not .* any more"):
+    # The training loss is the model's loss region's cross-entropy.
+    monkeypatch.setattr(model_module, "cross_entropy", lambda logits, targets: logits.sum())  # not ours
+    with pytest.raises(RuntimeError, match=r"tinylm.model.transformer.cross_entropy is not .* any more"):
         _faults.install()
-    monkeypatch.delattr(training, "cross_entropy")  # the name gone, as after a rename
+    monkeypatch.delattr(model_module, "cross_entropy")  # the name gone, as after a rename
     with pytest.raises(RuntimeError, match="follow the rename here"):
+        _faults.install()
+    monkeypatch.undo()
+    monkeypatch.setenv(FAULT_ENV, "rank=0,step=1,action=nan")
+    monkeypatch.setattr(training, "TrainBatches", object)  # the loop's batches renamed
+    with pytest.raises(RuntimeError, match=r"tinylm.pretrain.loop.TrainBatches is not"):
         _faults.install()
