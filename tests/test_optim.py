@@ -293,3 +293,30 @@ def test_the_schedule_keys_are_checked():
     ]:
         with pytest.raises(ConfigError, match=words):
             from_dict({"train": values})
+
+
+def test_the_fused_adamw_step_compiles_as_one_graph_and_is_the_eager_step():
+    """AdamW's fused step traced by torch.compile with fullgraph=True (a graph break is an error):
+    no break, and the same parameters and state as the same step run eagerly."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    twin = copy.deepcopy(model)
+    compiled_opt = AdamW(param_groups(model, 0.1), lr=1e-2, fused=True)
+    eager_opt = AdamW(param_groups(twin, 0.1), lr=1e-2, fused=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(compiled_opt.step, fullgraph=True, backend="eager")
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        step()
+        eager_opt.step()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(compiled_opt.state[p][name], eager_opt.state[q][name])
