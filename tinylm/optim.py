@@ -77,7 +77,8 @@ def adamw_group_step(group: dict, state: dict, fused: bool | None = None) -> Non
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)  # CPU tensors: no device work, no sync
-        if params[0].device.type == "cuda" if fused is None else fused:
+        use_fused = params[0].device.type == "cuda" if fused is None else fused
+        if use_fused:
             # The kernel reads the step counts on the parameters' device: one copy of all of them,
             # which does not wait for the device (no sync); the state keeps its counts on the CPU.
             on_device = torch.stack(steps).to(params[0].device, non_blocking=True).unbind()
