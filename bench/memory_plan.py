@@ -6,7 +6,9 @@ memory, VmHWM, from the log's last progress line: the training peak, before the 
 written), twice: with glibc's default allocator, which keeps freed memory for reuse (so the RSS
 also holds its heap's slack), and with MALLOC_MMAP_THRESHOLD_=1 MiB, which gives every large tensor
 its own mapping, returned when freed (so the RSS holds the tensors and little else). The plan
-counts tensors. Prints a markdown table: planned, measured both ways, planned / measured.
+counts the tensors and, on the CPU, the free chunks glibc's heap keeps (its `allocator` line: the
+difference between the two measurements is what it stands for). Prints a markdown table: planned,
+of it the allocator, measured both ways, planned / measured.
 
     python bench/memory_plan.py                     # the shapes below; needs results/tokens and
                                                     # results/tokenizer of the default run
@@ -32,6 +34,10 @@ SHAPES = {
     "ctx512 d256 6L": (
         dict(context_length=512, d_model=256, num_layers=6, num_heads=4, d_ff=688),
         dict(world_size=1, batch_size=16),
+    ),
+    "ctx512 d256 6L, float32": (
+        dict(context_length=512, d_model=256, num_layers=6, num_heads=4, d_ff=688),
+        dict(world_size=1, batch_size=16, dtype="float32"),
     ),
     "ctx1024 d256 8L": (
         dict(context_length=1024, d_model=256, num_layers=8, num_heads=4, d_ff=688),
@@ -83,10 +89,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     print(
-        "| shape | planned total per rank, MiB | peak RSS of rank 0, MiB | planned / RSS "
-        "| peak RSS, mmap threshold 1 MiB | planned / RSS |"
+        "| shape | planned total per rank, MiB | of it glibc's heap | peak RSS of rank 0, MiB "
+        "| planned / RSS | peak RSS, mmap threshold 1 MiB | planned / RSS |"
     )
-    print("|---|---:|---:|---:|---:|---:|", flush=True)
+    print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for name in args.only:
         model, train = SHAPES[name]
         cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
@@ -105,16 +111,20 @@ def main() -> None:
             config.write_text(yaml.safe_dump(cfg))
             plan = pretrain(config, folder, "--plan")
             planned = re.search(r"total\s+([\d.]+) (GiB|MiB)", plan.stderr)
+            allocator = re.search(r"allocator\s+([\d.]+) (GiB|MiB)", plan.stderr)
             runs = []
             for i, env in enumerate([{}, {"MALLOC_MMAP_THRESHOLD_": str(2**20)}]):
                 runs.append(pretrain(config, folder / f"run{i}", env=env))
         peaks = [re.findall(r"peak mem ([\d,]+) MiB", run.stderr) for run in runs]
-        if plan.returncode or any(run.returncode for run in runs) or not planned or not all(peaks):
+        failed_run = plan.returncode or any(run.returncode for run in runs)
+        if failed_run or not planned or not allocator or not all(peaks):
             failed = plan.stderr + "".join(run.stderr for run in runs)
-            print(f"| {name} | failed: {failed[-300:]!r} | | | | |", flush=True)
+            print(f"| {name} | failed: {failed[-300:]!r} | | | | | |", flush=True)
             continue
-        planned_mib = float(planned.group(1)) * (1024 if planned.group(2) == "GiB" else 1)
-        row = f"| {name} | {planned_mib:,.0f} "
+        planned_mib, allocator_mib = (
+            float(found.group(1)) * (1024 if found.group(2) == "GiB" else 1) for found in (planned, allocator)
+        )
+        row = f"| {name} | {planned_mib:,.0f} | {allocator_mib:,.0f} "
         for found in peaks:
             measured_mib = float(found[-1].replace(",", ""))
             row += f"| {measured_mib:,.0f} | {planned_mib / measured_mib:.2f} "

@@ -81,30 +81,85 @@ def test_the_step_estimate_covers_the_bytes_a_real_step_holds():
     assert full < step_activation_bytes(SHAPE, 8, torch.float32, "selective") < tracker.peak
 
 
-@pytest.mark.slow
-def test_the_plan_is_within_10_percent_of_a_real_runs_peak_resident_memory(tiny_data, tmp_path, monkeypatch):
-    """A pretrain run where activations dominate (micro-batch 32 x 256): rank 0's peak RSS from the
-    log against the plan's total from `pretrain --plan`.
+def _allocator_peak(events, heap_below: int) -> tuple[int, int]:
+    """(the most bytes torch's CPU allocator held at once, of them those in allocations below
+    `heap_below` bytes), from a profile's allocation events."""
+    from torch._C._profiler import _EventType  # the profiler's event tree: its allocation records
 
-    The plan counts tensors; glibc keeps freed memory for reuse, so a run's RSS also holds its heap's
-    slack (bench/RESULTS.md, "Models that fit"). A fixed mmap threshold gives every large tensor its
-    own mapping, returned when freed, so that the RSS holds the tensors and little else."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
+    allocations, stack = [], list(events.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        kind, fields = node.typed
+        if kind == _EventType.Allocation:
+            allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+    sizes, live, heap, peak, heap_at_peak = {}, 0, 0, 0, 0
+    for _, size, ptr in sorted(allocations):
+        if size > 0:
+            sizes[ptr] = size
+        else:  # a free is a negative size
+            size = -sizes.pop(ptr, -size)
+        live += size
+        heap += size if abs(size) < heap_below else 0
+        if live > peak:
+            peak, heap_at_peak = live, heap
+    return peak, heap_at_peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation_checkpointing", ["none", "full"])
+def test_the_step_estimate_is_the_peak_torchs_allocator_sees(dtype, activation_checkpointing, monkeypatch):
+    """The fake step's peak against the real step's as torch's CPU allocator records it (every
+    allocation, kernels' scratch included; torch.profiler with profile_memory): equal within 2 % (the
+    kernels' few scalars beside the peak are a few bytes). Without checkpointing, also the part of
+    the peak in allocations below glibc's mmap ceiling (set low here, so that the small step has
+    allocations on both sides of it)."""
+    monkeypatch.setattr(memory, "GLIBC_MMAP_CEILING", 256 * 1024)
+    shape = {**SHAPE, "context_length": 64, "d_model": 128, "d_ff": 344}
+    torch.manual_seed(0)
+    model = Transformer(**shape)
+    model.set_activation_checkpointing(activation_checkpointing)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, 300, (8, 65))
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+        del loss
+    real, real_heap = _allocator_peak(prof.profiler.kineto_results, 256 * 1024)
+    planned = memory.step_memory(shape, 8, dtype, activation_checkpointing)
+    assert planned.peak == step_activation_bytes(shape, 8, dtype, activation_checkpointing)
+    assert 0 < real_heap < real
+    assert 0.98 * real <= planned.peak <= 1.02 * real, (planned, real)
+    if activation_checkpointing == "none":  # recomputation frees its tensors at other moments
+        assert 0.98 * real_heap <= planned.heap_at_peak <= 1.02 * real_heap, (planned, real_heap)
+
+
+@pytest.mark.slow
+def test_the_plan_covers_a_real_runs_peak_resident_memory_by_at_most_30_percent(tiny_data, tmp_path):
+    """A pretrain run where activations dominate (micro-batch 32 x 256), under glibc's default
+    allocator: rank 0's peak RSS from the log against the plan's total from `pretrain --plan`.
+
+    The RSS holds the tensors and the free chunks glibc's heap keeps for reuse (the plan's allocator
+    line); the plan must not promise less than the run takes, and not much more."""
     config = write_tiny_config(
         tmp_path / "c.yaml",
         model={"context_length": 256, "d_model": 128, "num_layers": 3, "num_heads": 4, "d_ff": 344},
-        train={"world_size": 1, "batch_size": 32, "max_iters": 2, "dtype": "bfloat16"},
+        train={"world_size": 1, "batch_size": 32, "max_iters": 3, "dtype": "bfloat16"},
     )
     planned = pretrain(tiny_data, config, tmp_path / "plan_state", extra=("--plan",))
     assert planned.returncode == 0, planned.stderr
     number, unit = re.search(r"\] +total +([\d.]+) (GiB|MiB)", planned.stderr).groups()
     total_mib = float(number) * (1024 if unit == "GiB" else 1)
+    assert re.search(r"\] +allocator +[\d.]+ MiB", planned.stderr)  # the CPU's plan counts glibc's heap
     assert not (tmp_path / "plan_state").exists()  # --plan trains nothing
     run = pretrain(tiny_data, config, tmp_path / "state")
     assert run.returncode == 0, run.stderr
     assert "memory plan per rank" in run.stderr  # the log's header has it too
     peak_mib = float(re.findall(r"peak mem ([\d,]+) MiB", run.stderr)[-1].replace(",", ""))
-    assert 0.9 < total_mib / peak_mib < 1.1, (total_mib, peak_mib)
+    assert 1.0 <= total_mib / peak_mib <= 1.3, (total_mib, peak_mib)
 
 
 def test_the_smallest_fitting_accumulation_is_the_brute_force_one(monkeypatch):

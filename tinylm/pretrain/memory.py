@@ -16,9 +16,13 @@ Per rank, in bytes:
                     autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
                     Measured, not modelled: the step runs on fake tensors (shapes only, no data, no
                     memory) with the run's autocast dtype and activation checkpointing, and every
-                    tensor it makes is counted while it lives (step_activation_bytes)
-    framework       CPU: this process's resident memory with torch loaded; CUDA: 500 MiB for the
-                    context and the caching allocator (an estimate)
+                    tensor it makes is counted while it lives (step_memory)
+    allocator       CPU only: the free chunks glibc's heap keeps resident beside the step's tensors,
+                    from how much of the step's peak and of its traffic the heap serves
+                    (glibc_heap_slack; measured against glibc's defaults, see GLIBC_FREE_PER_LIVE)
+    framework       CPU: this process's resident memory with torch loaded, and what a training rank
+                    loads besides (RANK_LIBRARY_BYTES); CUDA: 500 MiB for the context and the caching
+                    allocator (an estimate)
 
 The total is compared with the device's memory (CUDA: total and free; CPU: available RAM). The
 device is this machine's (`local_device`) or one named (`named_device`: a GPU of
@@ -54,6 +58,26 @@ from tinylm.throughput import GPU_PEAK_FLOPS, PLAN_GPUS, gpu_entry
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 500 * 2**20  # CUDA context and allocator slack: an estimate, not measured here
+
+# glibc's heap on the CPU, measured (bench/memory_plan.py; bench/RESULTS.md, "Models that fit").
+# glibc gives an allocation its own mapping, unmapped when freed, only above its mmap threshold,
+# which rises to the largest such block freed, up to this ceiling: after the first step every
+# tensor below it comes from the heap, and the heap keeps freed chunks resident for reuse.
+GLIBC_MMAP_CEILING = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+# At a step's peak the heap holds, beside its live tensors, free chunks that no request of the step
+# reuses: a fixed part, 0.45 of the heap's live bytes at the peak (the free chunks between them),
+# and 6 % of every byte the step passes through the heap (what its short-lived tensors split off
+# and leave). Fitted as an upper bound to ten shapes' resident peaks under glibc 2.36's defaults
+# less those of the same runs with the mmap threshold pinned (which hold the tensors alone), over
+# bfloat16 and float32, with and without activation checkpointing, at world sizes 1 and 2; each
+# bound 20 to 265 MiB above the largest of its shape's runs (bench/RESULTS.md, "Models that fit").
+GLIBC_FREE_FIXED = 48 * 2**20
+GLIBC_FREE_PER_LIVE = 0.45
+GLIBC_FREE_PER_MADE = 0.06
+# What a training rank has resident beyond the planning process: the kernels' code pages it
+# touches, TensorBoard's writer, gloo's buffers (measured: 17 to 54 MiB on bench/memory_plan.py's
+# shapes).
+RANK_LIBRARY_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -197,10 +221,13 @@ def plan_memory(
         dtype = torch.bfloat16 if device.type == "cuda" and device.bf16 else torch.float32
     else:
         dtype = resolve_dtype(train.dtype, "cpu")
-    parts["activations"] = step_activation_bytes(
-        model_config, micro, dtype, train.activation_checkpointing, device.type
-    )
-    parts["framework"] = CUDA_CONTEXT_BYTES if device.type == "cuda" else _resident_bytes()
+    step = step_memory(model_config, micro, dtype, train.activation_checkpointing, device.type)
+    parts["activations"] = step.peak
+    if device.type == "cuda":
+        parts["framework"] = CUDA_CONTEXT_BYTES
+    else:
+        parts["allocator"] = glibc_heap_slack(step)
+        parts["framework"] = _resident_bytes() + RANK_LIBRARY_BYTES
     return MemoryPlan(parts, device, train, world_size, dict(model_config))
 
 
@@ -243,6 +270,9 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
+        # The same for storages below GLIBC_MMAP_CEILING (those glibc serves from its heap), and
+        # the bytes of all such storages made (what the step passes through the heap).
+        self.heap_live = self.heap_at_peak = self.heap_made = 0
         self._sizes: dict[int, int] = {}  # storage -> its bytes
         self._holders: dict[int, int] = {}  # storage -> live tensors seen on it
 
@@ -256,38 +286,57 @@ class _LiveBytes(TorchDispatchMode):
             if key not in self._holders:
                 if key in inputs:  # a view of a storage made before this mode began
                     continue
-                self._holders[key], self._sizes[key] = 0, tensor.untyped_storage().nbytes()
-                self.live += self._sizes[key]
+                size = tensor.untyped_storage().nbytes()
+                self._holders[key], self._sizes[key] = 0, size
+                self.live += size
+                if size < GLIBC_MMAP_CEILING:
+                    self.heap_live += size
+                    self.heap_made += size
             self._holders[key] += 1
             weakref.finalize(tensor, self._release, key)
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak, self.heap_at_peak = self.live, self.heap_live
         return out
 
     def _release(self, key: int) -> None:
         self._holders[key] -= 1
         if self._holders[key] == 0:
             del self._holders[key]
-            self.live -= self._sizes.pop(key)
+            size = self._sizes.pop(key)
+            self.live -= size
+            if size < GLIBC_MMAP_CEILING:
+                self.heap_live -= size
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def step_activation_bytes(
+@dataclass(frozen=True)
+class StepMemory:
+    """What one micro-batch's forward, loss and backward do with memory (see `step_memory`), in
+    bytes of the storages their ops make."""
+
+    peak: int  # the most held at once: the plan's activations
+    heap_at_peak: int  # of `peak`, the storages below GLIBC_MMAP_CEILING (glibc serves them from its heap)
+    heap_made: int  # every storage below GLIBC_MMAP_CEILING the step makes, summed over the step
+
+
+def step_memory(
     model_config: dict,
     micro_batch: int,
     dtype: torch.dtype,
     activation_checkpointing: str,
     device_type: str = "cpu",
-) -> int:
-    """The peak bytes of one micro-batch's forward, loss and backward beyond the parameters and their
+) -> StepMemory:
+    """The memory of one micro-batch's forward, loss and backward beyond the parameters and their
     gradients: what autograd saves, the logits, the loss's float32 chunks, backward's temporaries.
 
     The step runs on fake tensors (shapes only: no data, no memory, no arithmetic), with every
     gradient already allocated, as DDP's buckets hold them, and every new tensor's storage is counted
     while it lives. The kernels are the CPU's (on CUDA, fused attention needs about the same); the
-    loss works in chunks of rows of the size it takes on `device_type`.
+    loss takes the path and the chunks of rows it takes on `device_type` (fused on CUDA). On the CPU
+    its peak is that of torch's allocator on the real step (tests/test_memory.py, with the profiler).
     """
     with torch.device("meta"):
         model = Transformer(**model_config)
@@ -302,11 +351,31 @@ def step_activation_bytes(
         with _LiveBytes() as tracker:
             with autocast(cpu, dtype):
                 logits = model(ids[:, :-1])
-            loss = cross_entropy(logits, ids[:, 1:], loss_chunk_bytes(device_type))
+            loss = cross_entropy(
+                logits, ids[:, 1:], loss_chunk_bytes(device_type), fused=device_type == "cuda"
+            )
             del logits
             loss.backward()
             del loss
-    return tracker.peak
+    return StepMemory(tracker.peak, tracker.heap_at_peak, tracker.heap_made)
+
+
+def glibc_heap_slack(step: StepMemory) -> int:
+    """The free memory glibc's heap keeps resident at the peak of `step` (see GLIBC_FREE_PER_LIVE)."""
+    return round(
+        GLIBC_FREE_FIXED + GLIBC_FREE_PER_LIVE * step.heap_at_peak + GLIBC_FREE_PER_MADE * step.heap_made
+    )
+
+
+def step_activation_bytes(
+    model_config: dict,
+    micro_batch: int,
+    dtype: torch.dtype,
+    activation_checkpointing: str,
+    device_type: str = "cpu",
+) -> int:
+    """The peak of `step_memory`: the bytes one micro-batch's step holds at once."""
+    return step_memory(model_config, micro_batch, dtype, activation_checkpointing, device_type).peak
 
 
 def smallest_fitting_accumulation(
