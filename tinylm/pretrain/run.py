@@ -122,13 +122,13 @@ def communication_summary(
         parameter_specs(model, train), world_size, train.bucket_size_mb * 2**20, sharded
     )
     if sharded:
-        kinds = f"{plan.calls('reduce_scatter')} reduce-scatters and {plan.calls('all_gather')} all-gathers"
+        kinds = f"reduce-scatters {plan.calls('reduce_scatter')}, all-gathers {plan.calls('all_gather')}"
     else:
-        kinds = f"{plan.calls('all_reduce', 'backward')} bucket all-reduces"
+        kinds = f"bucket all-reduces {plan.calls('all_reduce', 'backward')}"
     lines = [
         f"communication per rank per update (world size {world_size}, {train.bucket_size_mb:g} MB "
-        f"buckets{', sharded' if sharded else ''}): {kinds} and {plan.calls(when='step')} "
-        f"small all-reduces; sends {plan.sent_bytes() / 2**20:,.1f} MiB",
+        f"buckets{', sharded' if sharded else ''}): {kinds}, small all-reduces "
+        f"{plan.calls(when='step')}; sends {plan.sent_bytes() / 2**20:,.1f} MiB",
     ]
     gradients, parameters = plan.seconds(link, "backward"), plan.seconds(link, "after step")
     timing = f"  at {link.name} ({link.bandwidth / 1e9:g} GB/s per rank, nominal): "
