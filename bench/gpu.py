@@ -358,8 +358,9 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out
 
 
 def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str, device: torch.device) -> float:
-    """The memory plan's total without its framework part (tinylm/pretrain/memory.py): what
-    torch.cuda.max_memory_allocated should see for one rank training this shape with AdamW in bf16."""
+    """The memory plan's tensors (tinylm/pretrain/memory.py: its total without the framework and,
+    on the CPU, glibc's heap): what torch.cuda.max_memory_allocated should see for one rank training
+    this shape with AdamW in bf16."""
     from tinylm.config import from_dict
     from tinylm.pretrain.memory import plan_memory
 
@@ -374,7 +375,8 @@ def planned_tensor_mib(shape: dict, batch_size: int, checkpointing: str, device:
         }
     ).train
     plan = plan_memory(dict(shape), train, 1, "cuda:0" if device.type == "cuda" else "cpu")
-    return (plan.total - plan.parts["framework"]) / 2**20
+    tensors = ("parameters", "gradients", "optimizer", "activations")
+    return sum(plan.parts[part] for part in tensors) / 2**20
 
 
 # ---------------------------------------------------------------- the table

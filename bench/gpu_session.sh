@@ -6,7 +6,8 @@
 #   1. the eager variants of bench/gpu.py: the torch-native baseline, tinylm, and one row per
 #      fast path turned off (loss, AdamW, clip, RMSNorm), deterministic kernels and activation
 #      checkpointing; per-region times, kernels per step, peak memory beside the plan;
-#   2. the CUDA-only tests (tests/test_cuda.py: the fused paths against ours on the device);
+#   2. the CUDA-only tests (tests/test_cuda.py: the fused paths against ours on the device, the
+#      memory plan against max_memory_allocated);
 #   3. the compiled variants: the baseline compiled whole, tinylm as train.compile compiles it, the
 #      loss region eager, each attention backend, deterministic; graph breaks and recompiles;
 #   4. with 2 or more GPUs, bench/gpu_ddp.py (NCCL): DDP and ZeRO-1 against torch's at every
@@ -27,7 +28,7 @@ timeout 150 python3 bench/gpu.py --eager --steps 10 --warmup 3 --out-dir "$out/e
 echo "bench/gpu.py --eager exit status: $?" | tee -a "$out/gpu_eager.log"
 cat "$out/gpu_eager.md"
 
-timeout 90 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
 echo "test_cuda exit status: $?" | tee -a "$out/test_cuda.log"
 
 timeout 200 python3 bench/gpu.py --steps 10 --warmup 3 --out-dir "$out/compiled" \

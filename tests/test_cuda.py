@@ -270,6 +270,45 @@ def test_activation_checkpointing_on_cuda_saves_memory_and_keeps_the_gradients()
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
 
 
+def test_the_memory_plan_covers_max_memory_allocated_within_30_percent():
+    """The plan's tensors (parameters, gradients, AdamW's state, one micro-batch's step: its total
+    without the CUDA context) against torch.cuda.max_memory_allocated over three training steps of
+    the path the trainer takes (bf16 autocast, the loss region, the fused loss and AdamW), with and
+    without full activation checkpointing."""
+    from tinylm.config import from_dict
+    from tinylm.model import Transformer
+    from tinylm.optim import AdamW
+    from tinylm.pretrain.memory import plan_memory
+
+    device = torch.device("cuda", 0)
+    shape = dict(vocab_size=8192, context_length=512, d_model=256, num_layers=6, num_heads=4, d_ff=688)
+    for mode in ("none", "full"):
+        keys = {"world_size": 1, "batch_size": 16, "dtype": "bfloat16", "activation_checkpointing": mode}
+        train = from_dict({"train": keys}).train
+        plan = plan_memory(shape, train, 1, device)
+        planned = plan.total - plan.parts["framework"]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        model = Transformer(**shape, device=device)
+        model.set_activation_checkpointing(mode)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # as DDP's buckets hold them, allocated before the first step
+        optimizer = AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 8192, (16, 513), device=device)
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids[:, :-1], targets=ids[:, 1:])
+            loss.backward()
+            del loss
+            optimizer.step()
+            model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device) - ids.numel() * 8
+        del model, optimizer, ids
+        assert 1.0 <= planned / peak <= 1.3, (mode, planned / 2**20, peak / 2**20)
+
+
 # ------------------------------------------------------------------------------------------------
 # The fast paths outside the blocks, on the device where they are the default (the CPU tests hold
 # each to ours with the path forced on: tests/test_nn_utils.py, test_optim.py, test_model.py).
