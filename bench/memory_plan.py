@@ -13,6 +13,8 @@ of it the allocator, measured both ways, planned / measured.
     python bench/memory_plan.py                     # the shapes below; needs results/tokens and
                                                     # results/tokenizer of the default run
     python bench/memory_plan.py --only default
+    python bench/memory_plan.py --steps 20 --commit-every 10 --defaults-only   # as a run validates
+                                                    # and commits, glibc's defaults only
 """
 
 from __future__ import annotations
@@ -87,6 +89,15 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--commit-every",
+        type=int,
+        default=None,
+        help="validate and commit a checkpoint every this many steps (default: neither), as a real run does",
+    )
+    parser.add_argument(
+        "--defaults-only", action="store_true", help="skip the runs with the threshold pinned"
+    )
     args = parser.parse_args()
     print(
         "| shape | planned total per rank, MiB | of it glibc's heap | peak RSS of rank 0, MiB "
@@ -100,8 +111,8 @@ def main() -> None:
         cfg["train"].update(
             max_iters=args.steps,
             log_interval=1,
-            val_interval=10**6,
-            checkpoint_interval=10**6,
+            val_interval=args.commit_every or 10**6,
+            checkpoint_interval=args.commit_every or 10**6,
             warmup_iters=1,
             **train,
         )
@@ -113,7 +124,8 @@ def main() -> None:
             planned = re.search(r"total\s+([\d.]+) (GiB|MiB)", plan.stderr)
             allocator = re.search(r"allocator\s+([\d.]+) (GiB|MiB)", plan.stderr)
             runs = []
-            for i, env in enumerate([{}, {"MALLOC_MMAP_THRESHOLD_": str(2**20)}]):
+            envs = [{}] if args.defaults_only else [{}, {"MALLOC_MMAP_THRESHOLD_": str(2**20)}]
+            for i, env in enumerate(envs):
                 runs.append(pretrain(config, folder / f"run{i}", env=env))
         peaks = [re.findall(r"peak mem ([\d,]+) MiB", run.stderr) for run in runs]
         failed_run = plan.returncode or any(run.returncode for run in runs)
