@@ -70,7 +70,7 @@ GLIBC_MMAP_CEILING = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 # and leave). Fitted as an upper bound to ten shapes' resident peaks under glibc 2.36's defaults
 # less those of the same runs with the mmap threshold pinned (which hold the tensors alone), over
 # bfloat16 and float32, with and without activation checkpointing, at world sizes 1 and 2, and the
-# default run's peak over its 1,400 steps (the heap creeps with validations and commits); each
+# default run's peak over its 1,400 steps (the heap creeps over a run, past its first steps); each
 # bound 30 to 275 MiB above the largest of its shape's runs (bench/RESULTS.md, "Models that fit").
 GLIBC_FREE_FIXED = 80 * 2**20
 GLIBC_FREE_PER_LIVE = 0.45
