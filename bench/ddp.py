@@ -495,8 +495,8 @@ def report(
         "",
         "Bytes each rank sends in one step, by collective kind (MiB; ring model, exact at world 2):",
         "",
-        "| setup | all_reduce | reduce | broadcast | total | / torch DDP |",
-        "|---|---|---|---|---|---|",
+        "| setup | " + " | ".join(ByteCounter.KINDS) + " | total | / torch DDP |",
+        "|---|" + "---|" * (len(ByteCounter.KINDS) + 2),
     ]
     ddp_total = sum(two[VARIANTS[1]]["bytes_sent"].values())
     for name in VARIANTS:
@@ -504,7 +504,7 @@ def report(
         total = sum(sent.values())
         lines.append(
             f"| {name} | "
-            + " | ".join(f"{sent[k] / MIB:.2f}" for k in ("all_reduce", "reduce", "broadcast"))
+            + " | ".join(f"{sent[k] / MIB:.2f}" for k in ByteCounter.KINDS)
             + f" | {total / MIB:.2f} | {total / ddp_total:.3f}x |"
         )
     lines += [
