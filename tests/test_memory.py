@@ -17,7 +17,7 @@ from tinylm.config import TrainConfig, from_dict
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
 from tinylm.pretrain import memory
-from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation, step_activation_bytes
+from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation, step_memory
 from tinylm.pretrain.optimizer import build_optimizer
 
 SHAPE = dict(vocab_size=300, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=176)
@@ -76,9 +76,9 @@ def test_the_step_estimate_covers_the_bytes_a_real_step_holds():
         del logits
         loss.backward()
         del loss
-    assert tracker.peak <= step_activation_bytes(SHAPE, 8, torch.float32, "none") <= 1.25 * tracker.peak
-    full = step_activation_bytes(SHAPE, 8, torch.float32, "full")
-    assert full < step_activation_bytes(SHAPE, 8, torch.float32, "selective") < tracker.peak
+    assert tracker.peak <= step_memory(SHAPE, 8, torch.float32, "none").peak <= 1.25 * tracker.peak
+    full = step_memory(SHAPE, 8, torch.float32, "full").peak
+    assert full < step_memory(SHAPE, 8, torch.float32, "selective").peak < tracker.peak
 
 
 def _allocator_peak(events, heap_below: int) -> tuple[int, int]:
@@ -129,8 +129,7 @@ def test_the_step_estimate_is_the_peak_torchs_allocator_sees(dtype, activation_c
         loss.backward()
         del loss
     real, real_heap = _allocator_peak(prof.profiler.kineto_results, 256 * 1024)
-    planned = memory.step_memory(shape, 8, dtype, activation_checkpointing)
-    assert planned.peak == step_activation_bytes(shape, 8, dtype, activation_checkpointing)
+    planned = step_memory(shape, 8, dtype, activation_checkpointing)
     assert 0 < real_heap < real
     assert 0.98 * real <= planned.peak <= 1.02 * real, (planned, real)
     if activation_checkpointing == "none":  # recomputation frees its tensors at other moments
@@ -303,13 +302,11 @@ def test_a_plan_for_a_named_gpu_chooses_its_accumulation_there(tmp_path, capsys,
     )
     assert bf16.parts["activations"] < fp32.parts["activations"]
     micro = 16 // chosen
-    assert bf16.parts["activations"] == step_activation_bytes(
-        model_config, micro, torch.bfloat16, "none", "cuda"
-    )
+    assert bf16.parts["activations"] == step_memory(model_config, micro, torch.bfloat16, "none", "cuda").peak
     # The loss in a GPU's chunks of rows (256 MiB of float32), not the CPU's 1 MiB: more memory.
     wide = {**SHAPE, "vocab_size": 8192, "context_length": 256}
-    on_gpu = step_activation_bytes(wide, 8, torch.bfloat16, "none", "cuda")
-    on_cpu = step_activation_bytes(wide, 8, torch.bfloat16, "none", "cpu")
+    on_gpu = step_memory(wide, 8, torch.bfloat16, "none", "cuda").peak
+    on_cpu = step_memory(wide, 8, torch.bfloat16, "none", "cpu").peak
     assert on_gpu > on_cpu + 32 * 2**20  # one float32 chunk of all 2,048 rows against 1 MiB ones
     assert "one update (65,536 tokens) on 1 x l4-24gb: at least" in err and "(121 TFLOP/s each)" in err
 

@@ -368,17 +368,6 @@ def glibc_heap_slack(step: StepMemory) -> int:
     )
 
 
-def step_activation_bytes(
-    model_config: dict,
-    micro_batch: int,
-    dtype: torch.dtype,
-    activation_checkpointing: str,
-    device_type: str = "cpu",
-) -> int:
-    """The peak of `step_memory`: the bytes one micro-batch's step holds at once."""
-    return step_memory(model_config, micro_batch, dtype, activation_checkpointing, device_type).peak
-
-
 def smallest_fitting_accumulation(
     model_config: dict, train: TrainConfig, world_size: int, device: PlanDevice | torch.device | str
 ) -> int | None:
