@@ -146,7 +146,7 @@ def test_the_plan_covers_a_real_runs_peak_resident_memory_by_at_most_30_percent(
     config = write_tiny_config(
         tmp_path / "c.yaml",
         model={"context_length": 256, "d_model": 128, "num_layers": 3, "num_heads": 4, "d_ff": 344},
-        train={"world_size": 1, "batch_size": 32, "max_iters": 3, "dtype": "bfloat16"},
+        train={"world_size": 1, "batch_size": 32, "max_iters": 8, "dtype": "bfloat16"},
     )
     planned = pretrain(tiny_data, config, tmp_path / "plan_state", extra=("--plan",))
     assert planned.returncode == 0, planned.stderr

@@ -71,8 +71,8 @@ GLIBC_MMAP_CEILING = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 # less those of the same runs with the mmap threshold pinned (which hold the tensors alone), over
 # bfloat16 and float32, with and without activation checkpointing, at world sizes 1 and 2, and the
 # default run's peak over its 1,400 steps (the heap creeps over a run, past its first steps); each
-# bound 30 to 275 MiB above the largest of its shape's runs (bench/RESULTS.md, "Models that fit").
-GLIBC_FREE_FIXED = 80 * 2**20
+# bound 15 to 260 MiB above the largest of its shape's runs (bench/RESULTS.md, "Models that fit").
+GLIBC_FREE_FIXED = 64 * 2**20
 GLIBC_FREE_PER_LIVE = 0.45
 GLIBC_FREE_PER_MADE = 0.055
 # What a training rank has resident beyond the planning process: the kernels' code pages it
