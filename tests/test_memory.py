@@ -146,7 +146,7 @@ def test_the_plan_covers_a_real_runs_peak_resident_memory_by_at_most_30_percent(
     config = write_tiny_config(
         tmp_path / "c.yaml",
         model={"context_length": 256, "d_model": 128, "num_layers": 3, "num_heads": 4, "d_ff": 344},
-        train={"world_size": 1, "batch_size": 32, "max_iters": 8, "dtype": "bfloat16"},
+        train={"world_size": 1, "batch_size": 32, "max_iters": 8, "dtype": "auto"},
     )
     planned = pretrain(tiny_data, config, tmp_path / "plan_state", extra=("--plan",))
     assert planned.returncode == 0, planned.stderr
@@ -184,6 +184,31 @@ def test_the_smallest_fitting_accumulation_is_the_brute_force_one(monkeypatch):
         "does not fit even with train.grad_accum_steps at the per-rank batch (48)"
         in plan_memory(SHAPE, train, 1).problem()
     )
+
+
+def test_weights_and_optimizer_state_that_do_not_fit_are_refused_without_tracing_a_step(monkeypatch):
+    """A model whose float32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
+    device is refused from those alone: the fake step, which takes minutes at such sizes, never runs."""
+    from tinylm.pretrain.memory import named_device
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the step was traced")
+
+    monkeypatch.setattr(memory, "step_memory", no_trace)
+    shape = dict(SHAPE, d_model=8192, num_heads=64, d_ff=22016, num_layers=48)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in Transformer(**shape).parameters())
+    device = named_device("l4-24gb", 1)
+    assert 16 * parameters > device.available
+    plan = plan_memory(shape, train_config(), 1, device)
+    assert not plan.fits() and not plan.traced and plan.total == 16 * parameters
+    assert re.match(
+        rf"needs at least {16 * parameters / 2**30:.2f} GiB of [\d.]+ GiB on l4-24gb", plan.problem()
+    )
+    assert "does not fit even with" in plan.problem()
+    assert any("not planned" in line for line in plan.lines())
+    with pytest.raises(AssertionError, match="the step was traced"):  # state that fits: the step is traced
+        plan_memory(SHAPE, train_config(), 1, device)
 
 
 def test_a_run_that_does_not_fit_is_refused_before_launch_and_auto_says_why(tiny_data, tmp_path):

@@ -1,22 +1,113 @@
 """train.dtype resolved per device, and its autocast: what runs in low precision and what does not."""
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from tinylm.checkpoint import CheckpointError, Manifest
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
-from tinylm.precision import autocast, resolve_dtype
+from tinylm.precision import autocast, bf16_cost, native_bf16, resolve_dtype, resolve_dtype_with_reason
+from tinylm.pretrain.resume import check_resumable
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def test_auto_is_float32_on_the_cpu_and_bfloat16_on_a_cuda_device_that_has_it(monkeypatch):
-    assert resolve_dtype("auto", "cpu") == torch.float32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the Linux kernel lists them in /proc/cpuinfo."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def force_cpu(monkeypatch, avx512_bf16: bool, amx: bool, onednn: bool) -> None:
+    """Make this process's torch answer the CPU questions as a CPU of that kind would."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+
+
+def test_auto_is_bfloat16_on_a_cuda_device_that_has_it_natively(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # A GPU that only emulates bfloat16 (before Ampere) answers True only with emulation.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_dtype("auto", "cuda:0") == torch.float32
     assert resolve_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="train.dtype: 'fp8'"):
         resolve_dtype("fp8", "cpu")
+
+
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, onednn, expected, said",
+    [
+        (True, False, True, torch.bfloat16, "AVX-512 BF16"),
+        (False, True, True, torch.bfloat16, "AMX"),
+        (True, True, True, torch.bfloat16, "AVX-512 BF16 and AMX"),
+        (False, False, True, torch.float32, "no AVX-512 BF16 or AMX"),  # AVX-512 only: emulated
+        (False, False, False, torch.float32, "no AVX-512 BF16 or AMX"),  # AVX2
+        (True, False, False, torch.float32, "oneDNN does not use it"),  # ONEDNN_MAX_CPU_ISA below it
+    ],
+)
+def test_auto_on_the_cpu_is_bfloat16_only_with_native_instructions(
+    monkeypatch, avx512_bf16, amx, onednn, expected, said
+):
+    force_cpu(monkeypatch, avx512_bf16, amx, onednn)
+    dtype, line = resolve_dtype_with_reason("auto", "cpu")
+    assert dtype == expected and said in line
+    assert line.startswith(f"train.dtype auto: {str(expected).removeprefix('torch.')} (")
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # an explicit name is taken as it is
+
+
+@pytest.mark.skipif(not (X86 and Path("/proc/cpuinfo").exists()), reason="reads x86 flags from /proc/cpuinfo")
+def test_native_bf16_agrees_with_the_kernels_cpu_flags():
+    flags = cpu_flags()
+    assert native_bf16("cpu")[0] == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.skipif(not X86, reason="ONEDNN_MAX_CPU_ISA=AVX2 is an x86 limit")
+def test_onednn_limited_to_avx2_resolves_auto_to_float32_and_makes_bfloat16_slow():
+    """How a developer with a bfloat16 CPU reproduces a CPU without it: oneDNN limited to AVX2."""
+    code = (
+        "import torch; from tinylm.precision import resolve_dtype, bf16_cost; torch.set_num_threads(1); "
+        "print(resolve_dtype('auto', 'cpu'), bf16_cost((512, 128, 344)))"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    dtype, cost = out.stdout.split()
+    assert dtype == "torch.float32"
+    assert float(cost) > 2.0  # torch's reference bfloat16 matmul, against oneDNN's float32 kernel
+
+
+def test_bf16_cost_is_measured_not_assumed(monkeypatch):
+    """The ratio comes from timing both matmuls: a bfloat16 matmul made 50 ms slower shows it."""
+    import time
+
+    real_matmul = torch.Tensor.__matmul__
+
+    def slow_bf16(a, b):
+        if a.dtype == torch.bfloat16:
+            time.sleep(0.05)
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", slow_bf16)
+    assert bf16_cost((64, 64, 64)) > 10
+
+
+def test_a_resume_that_would_resolve_to_another_dtype_is_refused(tmp_path):
+    saved = Manifest(seed=0, dtype="bfloat16")
+    check_resumable(saved, Manifest(seed=0, dtype="bfloat16"), tmp_path)
+    check_resumable(Manifest(seed=0), Manifest(seed=0, dtype="float32"), tmp_path)  # not recorded then
+    with pytest.raises(CheckpointError, match="autocast dtype.*'bfloat16'.*'float32'"):
+        check_resumable(saved, Manifest(seed=0, dtype="float32"), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

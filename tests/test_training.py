@@ -4,6 +4,7 @@ bf16 autocast with torch.compile trains."""
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def test_training_learns_and_publishes_every_checkpoint(uninterrupted):
         "gpu": None,
         "threads": 1,
     }
+    assert manifest["dtype"] == "float32"  # train.dtype as it resolved (tiny configs set float32)
     # The consolidated optimizer state covers every parameter and loads into a plain AdamW.
     from tinylm.model import Transformer
     from tinylm.optim import AdamW, param_groups
@@ -128,6 +130,32 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
     assert proc.returncode == 1
     assert "rank" in proc.stderr and "failed" in proc.stderr
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="ONEDNN_MAX_CPU_ISA is x86's"
+)
+def test_auto_dtype_follows_the_cpu_and_an_explicit_bfloat16_without_it_says_its_cost(
+    tiny_data, tmp_path, monkeypatch
+):
+    """With oneDNN limited to AVX2 (a CPU without bfloat16 instructions, on any x86 CPU), `auto` says
+    it trains in float32 and trains exactly as float32 does; an explicit bfloat16 says its cost."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    short = {"world_size": 1, "max_iters": 2, "checkpoint_interval": 2}
+    runs = {}
+    for dtype in ("auto", "float32", "bfloat16"):
+        config = write_tiny_config(tmp_path / f"{dtype}.yaml", train={**short, "dtype": dtype})
+        runs[dtype] = pretrain_ok(tiny_data, config, tmp_path / dtype)
+    assert "train.dtype auto: float32 (the CPU has" in runs["auto"]
+    assert "warning:" not in runs["auto"] + runs["float32"]
+    manifests = {d: json.loads((tmp_path / d / "step_0000002" / "manifest.json").read_text()) for d in runs}
+    assert [manifests[d]["dtype"] for d in runs] == ["float32", "float32", "bfloat16"]
+    assert_same(final_payload(tmp_path / "auto")["model"], final_payload(tmp_path / "float32")["model"])
+    warning = re.search(
+        r"warning: .*bfloat16 runs on torch's reference kernels: .* takes ([\d.]+)x", runs["bfloat16"]
+    )
+    assert warning and float(warning.group(1)) > 1.0, runs["bfloat16"]
 
 
 @pytest.mark.slow
@@ -396,6 +424,36 @@ def test_micro_batches_tile_the_global_batch_in_rank_major_order():
 # The log: header, the mean loss since the previous line, the closing summary, the run name, signals
 
 
+def test_the_first_progress_line_comes_within_seconds_then_one_a_minute(monkeypatch, capsys):
+    """On a slow machine (2 s a step, log_interval 50) the speed and the time left come after the
+    first few seconds, then at least once a minute, between the lines by steps; the loss lines keep
+    their windows of log_interval steps."""
+    from tinylm.config import TrainConfig
+    from tinylm.model import Transformer
+    from tinylm.parallel import RankContext
+    from tinylm.precision import LossScaler
+    from tinylm.pretrain import log
+
+    clock = [1000.0]
+    monkeypatch.setattr(log.time, "perf_counter", lambda: clock[0])
+    ctx = RankContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    model = Transformer(vocab_size=64, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
+    train = TrainConfig(max_iters=100, log_interval=50, batch_size=4)
+    meter_log = log.TrainingLog(ctx, train, model, torch.float32, 0, "state", None, 0.0)
+    capsys.readouterr()
+    for step in range(1, 101):
+        meter_log.step_begins()
+        clock[0] += 2.0
+        meter_log.step_done(step, 3.0, 1.0, {"matrices": 1e-3}, LossScaler(False), False)
+    lines = capsys.readouterr().err.splitlines()
+    steps = [int(re.search(r"step (\d+)/100", line).group(1)) for line in lines]
+    assert steps == [3, 33, 50, 80, 100], lines
+    timed = [line for line in lines if " loss " not in line]
+    assert len(timed) == 3 and all(re.search(r"16 tok/s .*ETA \d+s$", line) for line in timed), timed
+    assert "ETA 194s" in lines[0]  # 97 steps left at 2 s each
+    assert "loss 3.0000 (mean of 50 steps)" in lines[2] and "(mean of 50 steps)" in lines[4]
+
+
 @pytest.mark.slow
 def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, uninterrupted, tmp_path):
     """log_interval 5 prints the mean of the per-step losses that log_interval 1 printed (the same
@@ -416,7 +474,8 @@ def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, 
     assert lines and all(line.startswith("[pretrain wide-2] ") for line in lines), proc.stderr
     assert "\r" not in proc.stderr
     first = next(i for i, line in enumerate(lines) if "] model: " in line)
-    assert "memory plan per rank" in lines[0] and any(" total " in line for line in lines[:first])
+    assert lines[0] == "[pretrain wide-2] train.dtype float32"  # what the forward pass runs in, first
+    assert "memory plan per rank" in lines[1] and any(" total " in line for line in lines[:first])
     header = "\n".join(lines[first : first + 2])
     for words in [
         "parameters (vocab 300, d_model 32",

@@ -169,6 +169,13 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def cmd_env(cfg: Config, args: argparse.Namespace) -> None:
+    from tinylm.env import environment_lines
+
+    for line in environment_lines(cfg, args.config_name, args.timed_steps):
+        print(line, flush=True)
+
+
 def print_memory_plan(
     cfg: Config, tokenizer_path: str, state_dir: str, plan_device: str | None, plan_bandwidth: str | None
 ) -> None:
@@ -514,6 +521,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--train-tokens", default=None, help="train.npy of the runs, to report their epochs")
     p.add_argument("--output-dir", default=f"{RESULTS}/scaling_laws")
+
+    p = stage(
+        "env",
+        cmd_env,
+        "the machine as tinylm sees it and the config resolved here (dtype, ranks, memory, time), "
+        "to paste into a bug report",
+    )
+    p.add_argument(
+        "--timed-steps",
+        type=int,
+        default=5,
+        help="training steps timed for the estimate; 0 = no estimate (default: %(default)s)",
+    )
 
     about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
     p = sub.add_parser("config-docs", help=about, description=about)

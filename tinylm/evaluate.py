@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from tinylm.checkpoint import CheckpointError, load_model, published_manifest, published_steps
 from tinylm.data import load_tokens
@@ -49,6 +48,7 @@ from tinylm.eval_table import COLUMNS
 from tinylm.io import atomic_write_text
 from tinylm.nn_utils import row_chunks
 from tinylm.precision import autocast, dtype_name, machine, resolve_dtype
+from tinylm.progress import Progress
 from tinylm.tokenizer import Tokenizer
 
 # Bumped whenever the scoring changes, so that older cache entries are not reused.
@@ -125,9 +125,9 @@ def score_tokens(
     loss_sum = text_loss_sum = 0.0
     count = 0
     span = np.arange(context_length + 1)
-    for first in tqdm(
-        range(0, num_windows, batch_size), desc="evaluate", unit="batch", disable=None if progress else True
-    ):
+    shown = Progress("[evaluate] windows", num_windows, "windows", enabled=progress)
+    for first in range(0, num_windows, batch_size):
+        shown.update(min(batch_size, num_windows - first))
         starts = np.arange(first, min(first + batch_size, num_windows)) * context_length
         full = starts[starts + context_length + 1 <= n]
         groups = [tokens[full[:, None] + span]] if len(full) else []
@@ -194,7 +194,8 @@ def evaluate_checkpoints(
     rows = []
     for step in steps:
         manifest = published_manifest(checkpoint_dir, step)
-        train_dtype = ((manifest.config or {}).get("train") or {}).get("dtype", "float32")
+        # The dtype the run trained in (recorded since train.dtype could be `auto`), else its config's.
+        train_dtype = manifest.dtype or ((manifest.config or {}).get("train") or {}).get("dtype", "float32")
         dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
         # The manifest names the weights (recorded while they were written) and the tokens seen, so
         # a checkpoint scored before is found without reading a byte of it.

@@ -3,9 +3,11 @@
 Parameters and optimizer state always stay float32; only the forward pass (matmuls, attention) runs
 in the autocast dtype, and the loss is computed in float32 (tinylm.nn_utils.cross_entropy upcasts).
 
-    dtype = resolve_dtype("auto", device)      # bfloat16 on a CUDA device that has it, else float32
+    dtype = resolve_dtype("auto", device)      # bfloat16 where the device computes it natively
     with autocast(device, dtype):
         logits = model(x)
+
+`native_bf16(device)` answers whether the device computes bfloat16 natively, and why.
 
 Also here: `LossScaler`, float16's loss scaling, `configure_kernels`, the choice between
 bit-identical and fastest kernels, and `machine`, what besides the config decides the last bits of a
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import time
 from typing import Any
 
 import torch
@@ -52,21 +56,90 @@ def machine_differences(recorded: dict[str, Any], current: dict[str, Any]) -> li
     ]
 
 
+def native_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether `device` computes bfloat16 matmuls natively, and why, as a phrase for the log.
+
+    CUDA: `torch.cuda.is_bf16_supported(including_emulation=False)` (Ampere and newer).
+    CPU: torch runs bfloat16 matmuls through oneDNN, which has bfloat16 kernels only for some
+    instruction sets; elsewhere they take a reference path that is an order of magnitude slower
+    than float32. Native means oneDNN has a bfloat16 kernel here (`_is_mkldnn_bf16_supported`, which
+    honours `ONEDNN_MAX_CPU_ISA`) and, on x86, the CPU has AVX-512 BF16 or AMX: oneDNN's
+    AVX-512-only bfloat16 emulates the instructions and is slower than float32. torch has no public
+    API for the question, so these are its private probes (torch.cpu, torch.ops.mkldnn).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{name} computes bfloat16 natively"
+        return False, f"{name} has no native bfloat16"
+    if device.type != "cpu":
+        return False, f"no bfloat16 check for device {device.type!r}"
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        if onednn:
+            return True, "the CPU has bfloat16 matmul instructions"
+        return False, "the CPU has no bfloat16 matmul instructions that torch uses"
+    instructions = [
+        name
+        for name, present in (
+            ("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+        )
+        if present
+    ]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not instructions:
+        return False, f"the CPU has no AVX-512 BF16 or AMX (torch's CPU capability: {capability})"
+    if not onednn:
+        limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+        return (
+            False,
+            f"the CPU has {' and '.join(instructions)}, but oneDNN does not use it here "
+            f"(ONEDNN_MAX_CPU_ISA={limit})",
+        )
+    return True, f"the CPU has {' and '.join(instructions)}"
+
+
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """The autocast dtype for `train.dtype` = name on `device`.
 
-    "auto" is bfloat16 on a CUDA device that supports it and float32 everywhere else (on the CPU
-    bf16 autocast runs, but is slower than float32 for small models and changes the published
-    figures of the default run). The explicit names are taken as they are.
+    "auto" is bfloat16 where the device computes it natively (`native_bf16`) and float32 elsewhere.
+    The explicit names are taken as they are.
     """
-    device = torch.device(device)
+    return resolve_dtype_with_reason(name, device)[0]
+
+
+def resolve_dtype_with_reason(name: str, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """`resolve_dtype` and a line for the log saying what was chosen and why, e.g.
+    "train.dtype auto: bfloat16 (the CPU has AVX-512 BF16)"."""
     if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        native, why = native_bf16(device)
+        dtype = torch.bfloat16 if native else torch.float32
+        return dtype, f"train.dtype auto: {dtype_name(dtype)} ({why})"
     if name not in DTYPES:
         raise ValueError(f"train.dtype: {name!r} is not one of {['auto', *DTYPES]}")
-    return DTYPES[name]
+    return DTYPES[name], f"train.dtype {name}"
+
+
+def bf16_cost(shape: tuple[int, int, int], repeats: int = 3) -> float:
+    """How many times float32's time one bfloat16 matmul of `shape` (m, k, n) takes on this CPU,
+    at this process's threads: the fastest of `repeats` each. A second or so where bfloat16 is not
+    native; what the line of an explicit `train.dtype: bfloat16` there says."""
+    m, k, n = shape
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # first call: oneDNN's kernel is made
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+        seconds[dtype] = min(times)
+    return seconds[torch.bfloat16] / max(seconds[torch.float32], 1e-9)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -56,6 +56,7 @@ class Manifest:
     world_size: int | None = None
     threads_per_rank: int | None = None
     grad_accum_steps: int | None = None
+    dtype: str | None = None  # the forward pass's autocast dtype, train.dtype resolved on the device
     torch_version: str | None = None
     machine: dict[str, Any] | None = None  # tinylm.precision.machine of rank 0
     # The step

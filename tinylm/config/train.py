@@ -80,17 +80,21 @@ class TrainConfig:
         execution=True,
     )
     dtype: str = key(
-        "bfloat16",
+        "auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="forward-pass autocast: `auto` (bfloat16 on a GPU that has it, else float32) | `float32` | "
-        "`bfloat16` | `float16`; bfloat16 pays on CPUs with AVX-512 BF16 (the project's), else set `auto`",
-        more="Parameters and optimizer state stay float32 and the loss is computed in float32. `float16` "
+        help="forward-pass autocast: `auto` (bfloat16 where the device computes it natively, else float32) | "
+        "`float32` | `bfloat16` | `float16`",
+        more="`auto` takes bfloat16 on a CUDA GPU with native bfloat16 and on a CPU with AVX-512 BF16 or AMX "
+        "(or an Arm CPU with bfloat16 matmul instructions that oneDNN uses), float32 elsewhere; the run's "
+        "first lines say which and why, and the manifest records it (`python -m tinylm env` says it "
+        "without training). Without native support bfloat16 runs through torch's reference kernels, an "
+        "order of magnitude slower than float32: an explicit `bfloat16` there still runs and says what a "
+        "matmul of the model's shape costs. A resume that would resolve to another dtype is refused. "
+        "Parameters and optimizer state stay float32 and the loss is computed in float32. `float16` "
         "uses dynamic loss scaling (`tinylm.precision.LossScaler`, the rule and state of "
         "`torch.amp.GradScaler`): "
         "an update whose gradients overflow (a non-finite global gradient norm, the same on every rank) is "
-        "skipped on every rank alike and the scale halves; its state is in the checkpoint. On the project's "
-        "machine (AVX-512 BF16 and AMX) bfloat16 gives 1.18x float32's tokens/s (bench/RESULTS.md); on CPUs "
-        "without bf16 instructions it is slower than float32",
+        "skipped on every rank alike and the scale halves; its state is in the checkpoint",
     )
     compile: bool = key(
         False,
@@ -138,7 +142,7 @@ class TrainConfig:
         "shown only when this is set",
         execution=True,
     )
-    max_iters: int = key(1400, lo=1, help="optimizer steps (about 6 minutes on 2 CPU cores)")
+    max_iters: int = key(1400, lo=1, help="optimizer steps")
     lr_max: float = key(6e-3, lo=0.0, lo_open=True, help="peak learning rate, after warmup")
     lr_min: float = key(
         6e-4, lo=0.0, help="learning rate at the end of the cosine and after it", more="(<= `lr_max`)"

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import http.client
 import os
-import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path, PurePosixPath
 
-from tqdm import tqdm
-
 from tinylm.corpus.format import CorpusError
 from tinylm.io import atomic_path, sha256_file
+from tinylm.progress import Progress
 
 DOWNLOAD_TIMEOUT_S = 60
 DOWNLOAD_CHUNK_BYTES = 1 << 20  # streamed to disk this much at a time
@@ -52,9 +50,7 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(tmp, "wb") as out:
                 length = response.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
-                with tqdm(
-                    total=total, unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None
-                ) as bar:
+                with Progress(f"[corpus] download {url}", total, "B") as bar:
                     while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
                         out.write(chunk)
                         bar.update(len(chunk))

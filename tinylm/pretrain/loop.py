@@ -41,7 +41,7 @@ from tinylm.nn_utils import cross_entropy
 from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
 from tinylm.parallel.sharded import clip_grad_norm_, gradient_shards, held_gradients
-from tinylm.precision import LossScaler, autocast, configure_kernels, resolve_dtype
+from tinylm.precision import DTYPES, LossScaler, autocast, configure_kernels
 from tinylm.pretrain.log import TrainingLog, set_run_name
 from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
 from tinylm.pretrain.resume import restore_run, save_step_of_run, seed_everything
@@ -73,7 +73,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     train, device, accum = spec.cfg.train, ctx.device, spec.cfg.train.grad_accum_steps
     configure_kernels(device, train.deterministic)
     seed_everything(train.seed + ctx.rank)
-    dtype = resolve_dtype(train.dtype, device)  # the forward pass's autocast dtype
+    dtype = DTYPES[spec.identity.dtype]  # the forward pass's autocast dtype, resolved by the launcher
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
         load_tokens(spec.train_tokens),

@@ -52,7 +52,7 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy, loss_chunk_bytes
 from tinylm.parallel.launch import ranks_on_this_machine
 from tinylm.parallel.shard_layout import plan_shards
-from tinylm.precision import autocast, resolve_dtype
+from tinylm.precision import autocast, native_bf16, resolve_dtype
 from tinylm.pretrain.optimizer import parameter_specs
 from tinylm.throughput import GPU_PEAK_FLOPS, PLAN_GPUS, gpu_entry
 
@@ -109,7 +109,9 @@ def local_device(device: torch.device | str, world_size: int) -> PlanDevice:
             bf16=torch.cuda.is_bf16_supported(),
             peak_bf16=entry[1]["bfloat16"] if entry else None,
         )
-    return PlanDevice("cpu", "cpu", available, None, ranks_on_this_machine(world_size))
+    return PlanDevice(
+        "cpu", "cpu", available, None, ranks_on_this_machine(world_size), bf16=native_bf16(device)[0]
+    )
 
 
 def named_device(name: str, world_size: int) -> PlanDevice:
@@ -144,6 +146,7 @@ class MemoryPlan:
     train: TrainConfig
     world_size: int
     model_config: dict = field(repr=False)
+    traced: bool = True  # False: the parameters, gradients and optimizer state alone do not fit
 
     @property
     def total(self) -> int:
@@ -163,7 +166,9 @@ class MemoryPlan:
             f"{', sharded' if train.shard_optimizer and self.world_size > 1 else ''}):"
         ]
         out += [f"  {name:<12} {_gib(size)}" for name, size in self.parts.items()]
-        out.append(f"  {'total':<12} {_gib(self.total)}")
+        if not self.traced:
+            out.append(f"  {'activations':<12} not planned: what is above does not fit already")
+        out.append(f"  {'total':<12} {'at least ' if not self.traced else ''}{_gib(self.total)}")
         device = self.device
         if device.total is not None and device.total == device.available:  # a named GPU
             out.append(f"  {device.name} has {_gib(device.total)}")
@@ -189,7 +194,8 @@ class MemoryPlan:
             options.append(f"train.grad_accum_steps: {accum}")
         device = self.device
         needs = (
-            f"needs {_gib(self.total * device.ranks_sharing)} of {_gib(device.available)} on {device.name}"
+            f"needs {'at least ' if not self.traced else ''}{_gib(self.total * device.ranks_sharing)} of "
+            f"{_gib(device.available)} on {device.name}"
         )
         if device.ranks_sharing > 1:
             needs += f" ({device.ranks_sharing} ranks of {_gib(self.total)})"
@@ -217,9 +223,12 @@ def plan_memory(
     with torch.device("meta"):
         model = Transformer(**model_config)
     parts = _state_bytes(model, train, world_size)
+    state_only = MemoryPlan(parts, device, train, world_size, dict(model_config), traced=False)
+    if not state_only.fits():  # the weights and optimizer state decide it: no step is traced
+        return state_only
     micro = micro_batch_size(train.batch_size, world_size, train.grad_accum_steps)
-    if train.dtype == "auto":  # the device need not be here, so not resolve_dtype's question to CUDA
-        dtype = torch.bfloat16 if device.type == "cuda" and device.bf16 else torch.float32
+    if train.dtype == "auto":  # the device need not be here, so not resolve_dtype's question to it
+        dtype = torch.bfloat16 if device.bf16 else torch.float32
     else:
         dtype = resolve_dtype(train.dtype, "cpu")
     step = step_memory(model_config, micro, dtype, train.activation_checkpointing, device.type)

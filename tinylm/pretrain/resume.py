@@ -31,6 +31,8 @@ def check_resumable(manifest: Manifest, expected: Manifest, where: str | os.Path
     differences = identity_differences(manifest, expected)
     if manifest.format != FORMAT:
         differences.insert(0, ("format", manifest.format, FORMAT))
+    if manifest.dtype is not None and manifest.dtype != expected.dtype:
+        differences.append(("the autocast dtype (train.dtype resolved here)", manifest.dtype, expected.dtype))
     if differences:
         key, saved, wanted = differences[0]
         raise CheckpointError(

@@ -18,13 +18,14 @@ import torch
 
 from tinylm.checkpoint import Manifest
 from tinylm.config import Config, config_hash, run_hash, weight_config
-from tinylm.data import load_tokens
+from tinylm.data import load_tokens, micro_batch_size
 from tinylm.flops import flops_per_token
 from tinylm.io import sha256_file
 from tinylm.model import Transformer
 from tinylm.parallel import launch
 from tinylm.parallel.comm_plan import Link, default_link, plan_communication
 from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
+from tinylm.precision import bf16_cost, dtype_name, native_bf16, resolve_dtype_with_reason
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
@@ -208,6 +209,8 @@ def train(
     backend, note = resolve_backend(train.backend, train.world_size)
     if note:
         log_line(is_rank0, note)
+    device = run_device(backend, train.world_size)
+    identity.dtype = choose_dtype(cfg, device, is_rank0)
     _warn_if_oversubscribed(is_rank0, train)
     if tensorboard_dir is not None:  # each run its own folder, so that runs' curves never interleave
         tensorboard_dir = Path(tensorboard_dir) / "-".join(filter(None, [run_name, run_hash(cfg)[:8]]))
@@ -226,7 +229,6 @@ def train(
         if is_rank0:
             check_checkpoint_dir(checkpoint_dir, identity, state_dir)
         if not newest or newest[0] < train.max_iters:
-            device = run_device(backend, train.world_size)
             cfg = plan_run(cfg, vocab_size, device, is_rank0, manifest.grad_accum_steps)
             identity.grad_accum_steps = cfg.train.grad_accum_steps
             spec = RunSpec(
@@ -259,6 +261,34 @@ def train(
             f"(resume state: {state_dir})",
         )
         return published
+
+
+def choose_dtype(cfg: Config, device: PlanDevice, is_rank0: bool) -> str:
+    """The autocast dtype `train.dtype` resolves to on the run's device, said in one line; an
+    explicit bfloat16 on a CPU that does not compute it natively adds a line with its measured cost."""
+    train = cfg.train
+    torch_device = torch.device(device.name)
+    dtype, why = resolve_dtype_with_reason(train.dtype, torch_device)
+    log_line(is_rank0, why)
+    if is_rank0 and train.dtype == "bfloat16" and device.type == "cpu":
+        native, reason = native_bf16(torch_device)
+        if not native:
+            accum = train.grad_accum_steps if isinstance(train.grad_accum_steps, int) else 1
+            micro = micro_batch_size(train.batch_size, train.world_size, accum)
+            shape = (micro * cfg.model.context_length, cfg.model.d_model, cfg.model.d_ff)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(train.threads_per_rank)
+            try:
+                cost = bf16_cost(shape)
+            finally:
+                torch.set_num_threads(threads)
+            log_line(
+                True,
+                f"warning: {reason}, so bfloat16 runs on torch's reference kernels: a matmul of this "
+                f"model's shape takes {cost:.1f}x float32's time here; set train.dtype: auto (float32 "
+                f"on this CPU) to train faster",
+            )
+    return dtype_name(dtype)
 
 
 def _warn_if_oversubscribed(is_rank0: bool, train) -> None:

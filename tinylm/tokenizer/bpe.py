@@ -33,9 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from tqdm import tqdm
-
 from tinylm.config.constants import END_OF_TEXT, UINT16_VOCAB_LIMIT
+from tinylm.progress import Progress
 from tinylm.tokenizer.pair_index import PairIndex, pack_words
 from tinylm.tokenizer.pretokenize import check_readable, check_special_tokens, count_pretokens
 from tinylm.tokenizer.tokenizer import Tokenizer
@@ -126,7 +125,9 @@ def merge_pairs(
 
     merges = []
     ties = _Ties()
-    for _ in tqdm(range(num_merges), desc="bpe merges", disable=None if progress else True):
+    shown = Progress("[train-tokenizer] merges", num_merges, "merges", enabled=progress)
+    for _ in range(num_merges):
+        shown.update()
         best = _pop_best(heap, pair_counts, vocab, index, ties)
         if best is None:
             break

@@ -20,10 +20,10 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from tinylm.config.constants import UINT16_VOCAB_LIMIT
 from tinylm.io import atomic_path
+from tinylm.progress import Progress
 from tinylm.tokenizer.pretokenize import (
     check_readable,
     default_num_workers,
@@ -79,13 +79,7 @@ def encode_corpus(
             (str(input_path), start, end, errors, str(parts_dir / f"{i:06d}.u16"))
             for i, (start, end) in enumerate(pairwise(bounds))
         ]
-        bar = tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            desc=f"encode {input_path.name}",
-            disable=None if progress else True,
-        )
+        bar = Progress(f"[encode] {input_path}", size, "B", enabled=progress)
         lengths = []
         replaced = 0
         with bar:

@@ -26,7 +26,8 @@ from itertools import pairwise
 from pathlib import Path
 
 import regex
-from tqdm import tqdm
+
+from tinylm.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -291,8 +292,7 @@ def count_pretokens(
 
     total: Counter = Counter()
     replaced = 0
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize", disable=None if progress else True)
-    with bar:
+    with Progress(f"[train-tokenizer] pre-tokenize {path}", size, "B", enabled=progress) as bar:
         for counts, task_replaced, task_bytes in map_in_processes(count_chunks, tasks, num_workers):
             if len(counts) > len(total):  # add the smaller Counter into the larger one
                 total, counts = counts, total
