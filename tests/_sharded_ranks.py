@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from helpers import assert_params_close, global_batch, lm_loss, make_toy, param_groups, write_result
 from torch import nn
 
+from tinylm.checkpoint import Manifest
 from tinylm.parallel import ShardedOptimizer
 
 
@@ -167,3 +169,85 @@ def sharded_balances(ctx, out_dir: str, shape: dict, train_keys: dict) -> None:
     )
     held = sum(stop - start for start, stop in opt.held_ranges().values())
     write_result(out_dir, ctx.rank, {"elements": held, "state_bytes": state_bytes})
+
+
+# Parameters of odd sizes: pieces of one element, parameters smaller than the world size, sizes that
+# are not a multiple of the alignment (16 float32s), in buckets of 100 bytes so that most are split.
+ODD_SHAPES = [(17,), (1,), (3, 11), (3,), (2,), (5,)]
+ODD_BUCKET_MB = 100 / 2**20
+
+
+class OddSizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(*s, generator=generator)) for s in ODD_SHAPES
+        )
+
+    def loss(self) -> torch.Tensor:
+        return sum(((i + 1) * p.square() + p.sin()).sum() for i, p in enumerate(self.weights))
+
+
+def train_odd(model: OddSizes, optimizer, steps) -> None:
+    """Full-batch steps, the same on every rank, the learning rate a function of the step."""
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 * (1 + step) / 5
+        model.loss().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def state_dict_problems(ours: dict, theirs: dict) -> list[str]:
+    """Every way two optimizer state dicts differ: groups, indices, names, shapes, dtypes, values."""
+    problems = [] if ours["param_groups"] == theirs["param_groups"] else ["param_groups differ"]
+    if ours["state"].keys() != theirs["state"].keys():
+        return [*problems, f"indices {sorted(ours['state'])} vs {sorted(theirs['state'])}"]
+    for i, state in theirs["state"].items():
+        if ours["state"][i].keys() != state.keys():
+            problems.append(f"{i}: names {sorted(ours['state'][i])} vs {sorted(state)}")
+            continue
+        for name, value in state.items():
+            mine = ours["state"][i][name]
+            if mine.shape != value.shape or mine.dtype != value.dtype:
+                problems.append(
+                    f"{i}.{name}: {mine.dtype} {tuple(mine.shape)} vs {value.dtype} {tuple(value.shape)}"
+                )
+            elif not torch.equal(mine, value):
+                problems.append(f"{i}.{name}: values differ")
+    return problems
+
+
+def odd_sizes_save(ctx, out_dir: str, steps: int) -> None:
+    """ShardedOptimizer(torch.optim.AdamW) over ODD_SHAPES for `steps` steps: its consolidated state
+    dict against a plain torch.optim.AdamW's, then the step committed to out_dir/state."""
+    from tinylm.pretrain.state import save_step
+
+    model, reference = OddSizes(), OddSizes()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, ODD_BUCKET_MB, lr=0.05)
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    train_odd(model, optimizer, range(steps))
+    train_odd(reference, plain, range(steps))
+    problems = state_dict_problems(optimizer.state_dict(), plain.state_dict())
+    ranges = optimizer.held_ranges()
+    split = sum(
+        0 < ranges[i][1] - ranges[i][0] < p.numel() for i, p in enumerate(model.parameters()) if i in ranges
+    )
+    save_step(ctx, Path(out_dir, "state"), steps, model, optimizer, manifest=Manifest(seed=0))
+    write_result(out_dir, ctx.rank, {"problems": problems, "split": split})
+
+
+def odd_sizes_resume(ctx, out_dir: str, state_dir: str, steps: int, more: int) -> None:
+    """restore_step of a step committed at another world size, then `more` steps; rank 0 saves the
+    parameters and the consolidated state."""
+    from tinylm.pretrain.state import restore_step
+
+    model = OddSizes()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, ODD_BUCKET_MB, lr=0.05)
+    restore_step(ctx, state_dir, model, optimizer)
+    train_odd(model, optimizer, range(steps, steps + more))
+    state = optimizer.state_dict()
+    if ctx.is_main:
+        torch.save({"model": model.state_dict(), "optimizer": state}, Path(out_dir, "resumed.pt"))
+    write_result(out_dir, ctx.rank, {})

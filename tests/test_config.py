@@ -186,7 +186,24 @@ def test_unknown_key_and_section_are_refused():
         from_dict(raw)
     raw = raw_default()
     raw["optimizer"] = {}
-    with pytest.raises(ConfigError, match="optimizer: unknown config section"):
+    with pytest.raises(ConfigError, match="optimizer: unknown config section \\(known"):
+        from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "section, key, suggestion",
+    [
+        ("train", "max_iter", "train.max_iters"),
+        ("model", "dmodel", "model.d_model"),
+        ("generate", "seeds", "generate.seed"),
+    ],
+)
+def test_a_mistyped_key_gets_the_nearest_known_one(section, key, suggestion):
+    with pytest.raises(ConfigError, match=f"{section}.{key}: unknown key; did you mean `{suggestion}`\\?"):
+        from_dict(with_value(section, key, 1))
+    raw = raw_default()
+    raw["trian"] = raw.pop("train")
+    with pytest.raises(ConfigError, match="trian: unknown config section; did you mean `train`\\?"):
         from_dict(raw)
 
 

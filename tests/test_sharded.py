@@ -86,6 +86,57 @@ def test_world_of_one_equals_adamw():
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_odd_sizes_state_dict_equals_torch_adamw_and_resumes_at_another_world_size(tmp_path, world_size):
+    """Pieces of one element, parameters smaller than the world size, sizes off the alignment: the
+    consolidated state dict is torch.optim.AdamW's in every key, shape, dtype and value (AdamW's
+    `step` a scalar per parameter, its moments of the parameter's shape), and the step committed at
+    this world size resumes at the next one bit for bit."""
+    from tinylm.parallel import RankFailedError
+
+    steps, more = 3, 2
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    launch(_sharded_ranks.odd_sizes_save, args=(str(saved), steps), world_size=world_size, timeout_s=60)
+    results = read_results(saved, world_size)
+    assert results[0]["problems"] == [], results[0]["problems"]
+    if world_size > 1:
+        assert sum(r["split"] for r in results) > 0  # some parameter is split between the ranks
+    other = world_size % 4 + 1
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    try:
+        launch(
+            _sharded_ranks.odd_sizes_resume,
+            args=(str(resumed), str(saved / "state"), steps, more),
+            world_size=other,
+            timeout_s=60,
+        )
+    except RankFailedError as error:
+        raise AssertionError(f"resume at world size {other}: {error}") from None
+    model = _sharded_ranks.OddSizes()
+    plain = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _sharded_ranks.train_odd(model, plain, range(steps + more))
+    got = torch.load(resumed / "resumed.pt", weights_only=True)
+    assert all(torch.equal(got["model"][k], v) for k, v in model.state_dict().items())
+    assert _sharded_ranks.state_dict_problems(got["optimizer"], plain.state_dict()) == []
+
+
+def test_an_optimizer_that_does_not_declare_its_state_is_refused():
+    from tinylm.parallel.sharded import state_contract
+
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+    with pytest.raises(TypeError, match="Plain does not declare its state"):
+        ShardedOptimizer([torch.nn.Parameter(torch.ones(4))], Plain)
+    assert state_contract(torch.optim.AdamW).is_elementwise("exp_avg")
+    assert not state_contract(torch.optim.AdamW).is_elementwise("step")
+    with pytest.raises(ValueError, match="'mystery' is not declared"):
+        state_contract(torch.optim.AdamW).is_elementwise("mystery")
+
+
 def test_load_state_dict_refuses_other_structure():
     model = make_toy(seed=2)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)

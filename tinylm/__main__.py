@@ -79,6 +79,11 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None)
     return str(folder), step
 
 
+def _say_threads(stage: str, threads: int) -> None:
+    """The stage's first line: the torch threads it computes with, and the key that sets them."""
+    print(f"[{stage}] {threads} torch thread{'s' if threads > 1 else ''} ({stage}.threads)", file=sys.stderr)
+
+
 def cmd_corpus(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.corpus import prepare_corpus
 
@@ -233,6 +238,7 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
 
     e = cfg.evaluate
     torch.set_num_threads(e.threads)
+    _say_threads("evaluate", e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint_dir, _ = _checkpoints(cfg, args)
     table = evaluate_checkpoints(
@@ -251,6 +257,7 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
 def cmd_generate(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.generate import write_samples
 
+    _say_threads("generate", cfg.generate.threads)
     checkpoint_dir, step = _checkpoints(cfg, args)
     write_samples(cfg.generate, checkpoint_dir, args.tokenizer, args.output, eval_path=args.eval)
     print(
@@ -297,6 +304,7 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.export import export_hf
 
     torch.set_num_threads(cfg.export.threads)
+    _say_threads("export", cfg.export.threads)
     checkpoint_dir, step = _checkpoints(cfg, args, cfg.export.step)
     export_hf(checkpoint_dir, args.tokenizer, args.output, step, cfg.export.dtype)
     print(f"[export] step {step} of {checkpoint_dir} exported to {args.output}", file=sys.stderr)

@@ -102,6 +102,11 @@ class Muon(torch.optim.Optimizer):
     Parameters without a gradient are skipped. Works on any subset of a model's parameters.
     """
 
+    # The state's contract (see tinylm.optim.AdamW): Muon's momentum and AdamW's moments are shaped
+    # like the parameter, AdamW's step count is one per parameter.
+    elementwise_state = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    per_parameter_state = ("step",)
+
     def __init__(
         self,
         params,

@@ -28,6 +28,11 @@ class AdamW(torch.optim.Optimizer):
     Works on any subset of a model's parameters; the state dict loads into torch.optim.AdamW.
     """
 
+    # The state's contract, which sharding and checkpoints read (tinylm/parallel/sharded.py): the
+    # entries shaped like the parameter, and those held once per parameter.
+    elementwise_state = ("exp_avg", "exp_avg_sq")
+    per_parameter_state = ("step",)
+
     def __init__(
         self,
         params,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -89,6 +90,13 @@ def _coerce(value: Any, tp, key: str) -> Any:
     return value
 
 
+def did_you_mean(name: str, known, prefix: str = "") -> str:
+    """'; did you mean `max_iters`?' when a known name is close to the mistyped `name` (difflib),
+    else ''."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f"; did you mean `{prefix}{close[0]}`?" if close else ""
+
+
 def _build_section(cls, raw: Any, name: str):
     if raw is None:
         raw = {}
@@ -98,7 +106,10 @@ def _build_section(cls, raw: Any, name: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known keys of '{name}': {', '.join(fields)})")
+        raise ConfigError(
+            f"{name}.{unknown[0]}: unknown key{did_you_mean(unknown[0], fields, f'{name}.')} (known keys "
+            f"of '{name}': {', '.join(fields)})"
+        )
     values = {}
     for key, value in raw.items():
         full = f"{name}.{key}"
@@ -117,7 +128,10 @@ def from_dict(raw: Any) -> Config:
     hints = typing.get_type_hints(Config)
     unknown = sorted(set(raw) - set(sections))
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown config section (known sections: {', '.join(sections)})")
+        raise ConfigError(
+            f"{unknown[0]}: unknown config section{did_you_mean(unknown[0], sections)} (known sections: "
+            f"{', '.join(sections)})"
+        )
     cfg = Config(**{name: _build_section(hints[name], raw.get(name), name) for name in sections})
     validate(cfg)
     return cfg

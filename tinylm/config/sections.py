@@ -161,7 +161,13 @@ class EvaluateConfig:
     """stage `evaluate`: the exact loss of every checkpoint on valid.npy"""
 
     batch_size: int = key(32, lo=1, help="validation windows per forward pass")
-    threads: int = key(2, lo=1, help="torch threads (on the CPU)")
+    threads: int = key(
+        1,
+        lo=1,
+        help="torch threads (on the CPU)",
+        more="One by default: at this model size a second thread costs more than it gives, and far more "
+        "when another process holds a core (torch's threads spin while they wait; bench/threads.py)",
+    )
     max_tokens: int | None = key(
         None,
         lo=2,
@@ -190,7 +196,13 @@ class GenerateConfig:
         "is below this; the draw is from the kept ones, renormalized",
     )
     seed: int = key(0, lo=0, help="seed of the sampling generator")
-    threads: int = key(2, lo=1, help="torch threads")
+    threads: int = key(
+        1,
+        lo=1,
+        help="torch threads",
+        more="One by default: one token at a time is too little work to share, and a busy core makes more "
+        "threads far slower (bench/threads.py)",
+    )
 
 
 @dataclass
@@ -207,7 +219,7 @@ class ExportConfig:
         more="(`torch_dtype` in config.json)",
     )
     threads: int = key(
-        2,
+        1,
         lo=1,
         help="torch threads; the export loads the folder back with transformers and checks it against "
         "our model",

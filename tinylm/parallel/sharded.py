@@ -21,6 +21,12 @@ all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that e
 holds averaged, each rank reading only its pieces), `step()` waits for its all-gathers before it
 returns.
 
+The optimizer class states its state's contract: `elementwise_state`, the names of the entries
+shaped like the parameter (split with it: AdamW's moments), and `per_parameter_state`, those held
+once per parameter (AdamW's `step`, kept by the rank holding the parameter's first element).
+`state_contract` reads it (torch's own optimizers are described in TORCH_STATE); state dicts,
+pieces and checkpoints follow it, never a guess from sizes or names.
+
 `param_groups` are the full groups, as with any optimizer: a schedule that writes `group["lr"]`
 into every group reaches the local optimizers, because every group's hyperparameters are copied
 into theirs before each step. An optimizer class says which groups need whole parameters with
@@ -47,6 +53,7 @@ communicated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +75,52 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     """Concatenate every rank's `input` into `output` (rank r's at its r-th equal part)."""
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return collective(output, input, async_op=async_op)
+
+
+@dataclass(frozen=True)
+class StateContract:
+    """Names of an optimizer's per-parameter state entries: those shaped like the parameter, and
+    those held once per parameter."""
+
+    elementwise: frozenset[str]
+    per_parameter: frozenset[str]
+
+    def is_elementwise(self, name: str) -> bool:
+        """Whether the entry `name` is shaped like its parameter; a ValueError for an undeclared name."""
+        if name in self.elementwise:
+            return True
+        if name in self.per_parameter:
+            return False
+        raise ValueError(
+            f"optimizer state entry {name!r} is not declared: the optimizer's elementwise_state "
+            f"{sorted(self.elementwise)} and per_parameter_state {sorted(self.per_parameter)} must name it"
+        )
+
+
+# torch's optimizers, whose classes do not declare their state (ours do: tinylm.optim.AdamW, Muon).
+TORCH_STATE = {
+    torch.optim.AdamW: (("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ("step",)),
+    torch.optim.Adam: (("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), ("step",)),
+    torch.optim.SGD: (("momentum_buffer",), ()),
+}
+
+
+def state_contract(optimizer: torch.optim.Optimizer | type) -> StateContract:
+    """The state contract of an optimizer or optimizer class: its `elementwise_state` and
+    `per_parameter_state`, or TORCH_STATE's entry; a TypeError for a class that declares neither."""
+    declared = (
+        getattr(optimizer, "elementwise_state", None),
+        getattr(optimizer, "per_parameter_state", None),
+    )
+    if declared[0] is None or declared[1] is None:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        declared = next((TORCH_STATE[c] for c in cls.__mro__ if c in TORCH_STATE), (None, None))
+        if declared[0] is None:
+            raise TypeError(
+                f"{cls.__name__} does not declare its state: give the class `elementwise_state` (the "
+                f"entries shaped like the parameter) and `per_parameter_state` (one value per parameter)"
+            )
+    return StateContract(frozenset(declared[0]), frozenset(declared[1]))
 
 
 class ShardBucket:
@@ -136,6 +189,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.optimizer_cls = optimizer_cls
+        self.contract = state_contract(optimizer_cls)
+        self.elementwise_state = tuple(sorted(self.contract.elementwise))  # its class's contract
+        self.per_parameter_state = tuple(sorted(self.contract.per_parameter))
         self.bucket_size_mb = bucket_size_mb
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -276,7 +332,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not state:
                 continue
             described[h.piece.index] = {
-                name: _describe(value, h, params[h.piece.index]) for name, value in state.items()
+                name: self._describe(name, value, params[h.piece.index]) for name, value in state.items()
             }
         if self.world_size == 1:
             return described
@@ -315,18 +371,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """(global index, state name, first element, tensor) of every part of the state that this
         rank holds: the elements [first, first + numel) of the full tensor, flattened (first is 0
         for a tensor held whole). Every element of every state tensor is in exactly one rank's
-        list: the per-parameter values (AdamW's `step`) of a parameter split between ranks come
-        from the rank holding its first element. These are the live tensors."""
+        list: an elementwise entry from every holder of a piece of its parameter, a per-parameter
+        one (AdamW's `step`) from the rank holding the parameter's first element. These are the
+        live tensors."""
         pieces = []
         for h, local in self._all_held():
             for name, value in local.state.get(h.tensor, {}).items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                if h.whole or h.piece.start == 0:
-                    first = h.piece.start if value.numel() == h.piece.numel and not h.whole else 0
-                    pieces.append((h.piece.index, name, first, value))
-                elif value.numel() == h.piece.numel:
+                if self.contract.is_elementwise(name):
                     pieces.append((h.piece.index, name, h.piece.start, value))
+                elif h.piece.start == 0:
+                    pieces.append((h.piece.index, name, 0, value))
         return pieces
 
     @torch.no_grad()
@@ -402,7 +458,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     h = by_tensor[id(t)]
                     if h.piece.index in state:
                         local_state[n] = {
-                            name: _slice(value, h, params[h.piece.index])
+                            name: self._slice(name, value, h, params[h.piece.index])
                             for name, value in state[h.piece.index].items()
                         }
                     indices.append(n)
@@ -414,13 +470,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 local_groups.append({**hyperparameters, "params": indices})
             local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
+    def _describe(self, name: str, value: Any, param: torch.Tensor) -> Any:
+        """What another rank needs to know of a piece's state value: a tensor's full shape (its
+        parameter's, when elementwise) and dtype, or the value itself."""
+        if not isinstance(value, torch.Tensor):
+            return ("value", value)
+        shape = tuple(param.shape) if self.contract.is_elementwise(name) else tuple(value.shape)
+        return ("tensor", shape, str(value.dtype).removeprefix("torch."))
 
-def _describe(value: Any, held: _Held, param: torch.Tensor) -> Any:
-    """What another rank needs to know of a piece's state value: (full shape, dtype) of a tensor."""
-    if not isinstance(value, torch.Tensor):
-        return ("value", value)
-    shape = tuple(param.shape) if not held.whole and value.numel() == held.piece.numel else tuple(value.shape)
-    return ("tensor", shape, str(value.dtype).removeprefix("torch."))
+    def _slice(self, name: str, value: Any, held: _Held, param: torch.Tensor) -> Any:
+        """This rank's piece of a state value: an elementwise tensor of the parameter's size is cut
+        to the piece (one of the piece's size is the piece already); anything else is kept whole."""
+        if not isinstance(value, torch.Tensor) or held.whole or not self.contract.is_elementwise(name):
+            return value
+        if value.numel() == param.numel():
+            return value.reshape(-1)[held.piece.start : held.piece.stop].clone()
+        if value.numel() == held.piece.numel:
+            return value
+        raise ValueError(
+            f"state {name!r} of parameter {held.piece.index}: {value.numel()} elements, neither the "
+            f"parameter's {param.numel()} nor this rank's piece's {held.piece.numel}"
+        )
 
 
 def _placeholder(description: tuple) -> Any:
@@ -428,15 +498,6 @@ def _placeholder(description: tuple) -> Any:
         _, shape, dtype = description
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     return description[1]
-
-
-def _slice(value: Any, held: _Held, param: torch.Tensor) -> Any:
-    """This rank's piece of a full state value (a tensor of the parameter's shape is cut)."""
-    if not isinstance(value, torch.Tensor) or held.whole:
-        return value
-    if value.numel() == param.numel():
-        return value.reshape(-1)[held.piece.start : held.piece.stop].clone()
-    return value  # already the piece, or a per-parameter value such as `step`
 
 
 # A run's optimizer is a ShardedOptimizer or a plain one; these answer for both, so that no caller

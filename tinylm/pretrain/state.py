@@ -55,6 +55,7 @@ from tinylm.parallel.sharded import (
     gradient_shards,
     held_ranges,
     parameter_writers,
+    state_contract,
     state_pieces,
     wait_for_parameters,
 )
@@ -336,12 +337,13 @@ def _read_optimizer(
 ) -> None:
     """Read the optimizer state this rank holds (all, or its pieces of a sharded one) and load it.
 
-    A state tensor of its parameter's shape is read only in the range of elements this rank holds
-    (`held_ranges`, at this world size: the file may come from another); `step` counters and other
-    per-parameter tensors are read whole and stay on the CPU.
+    An elementwise state tensor (the optimizer's `state_contract`) is read only in the range of
+    elements this rank holds (`held_ranges`, at this world size: the file may come from another);
+    per-parameter tensors (step counts) are read whole and stay on the CPU.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ranges = held_ranges(optimizer)
+    contract = state_contract(optimizer)
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
@@ -356,9 +358,9 @@ def _read_optimizer(
         for name, value in entry.items():
             if not isinstance(value, torch.Tensor):
                 state[index][name] = value
-            elif name == "step":
+            elif not contract.is_elementwise(name):
                 state[index][name] = reader.read(value, "cpu", beat)
-            elif whole or value.numel() != param.numel():
+            elif whole:
                 state[index][name] = reader.read(value, param.device, beat)
             else:
                 state[index][name] = reader.read_range(value, start, stop, param.device, beat)
