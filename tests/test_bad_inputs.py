@@ -67,6 +67,14 @@ def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("stage", ["evaluate", "generate", "export"])
+def test_a_checkpoint_folder_that_does_not_exist_is_named_as_missing(tmp_path, stage):
+    missing = tmp_path / "no_such_run"
+    proc = tinylm(stage, "--checkpoint-dir", missing)
+    assert_refused(proc, f"--checkpoint-dir {missing} does not exist")
+    assert "no committed checkpoints" not in proc.stderr and not missing.exists()
+
+
 def make_checkpoints(folder: Path, vocab_size: int = 300, steps=(2,)) -> Path:
     """A published checkpoint folder holding an untrained model (what evaluate and generate read)."""
     torch.manual_seed(0)

@@ -64,6 +64,9 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None)
     from tinylm.checkpoint import check_tokenizer, published_file, published_run
     from tinylm.locate import find_checkpoints, warn_if_other_config, warn_if_other_machine
 
+    if args.checkpoint_dir is not None and not Path(args.checkpoint_dir).is_dir():
+        what = "is not a folder" if Path(args.checkpoint_dir).exists() else "does not exist"
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} {what}")
     state_dir = None if args.checkpoint_dir is not None else (args.state_dir or run_state_dir(cfg))
     folder, note = find_checkpoints(args.checkpoint_dir or f"{RESULTS}/checkpoints", state_dir, step)
     if note:

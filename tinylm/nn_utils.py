@@ -48,8 +48,8 @@ def cross_entropy(
 # launches. On the CPU, small chunks: each of the loss's passes over a chunk then runs in a core's
 # cache, and the allocator reuses the chunk's temporaries, where a large one is mapped fresh from
 # the OS each time (glibc maps every allocation above 32 MiB, and the default run's logits are
-# 2,048 x 4,096 floats per rank): the default model's training step takes 0.775x the time of whole
-# rows (bench/RESULTS.md, "The loss in chunks of rows").
+# 2,048 x 4,096 floats per rank), so the default model's step is shorter than with whole rows
+# (bench/RESULTS.md, "The loss in chunks of rows").
 LOSS_CHUNK_BYTES = 256 << 20
 CPU_LOSS_CHUNK_BYTES = 1 << 20
 

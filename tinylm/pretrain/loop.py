@@ -168,7 +168,7 @@ def compile_model(model: Transformer, world_size: int, device: torch.device) -> 
     (`Transformer.output_loss`: ln_final, the head, the soft-cap and the cross-entropy) is one graph
     with no break in it (fullgraph), where Inductor fuses each chunk's passes over the logits. Not
     on the CPU: there the eager chunks already run in a core's cache, and compiling the region
-    takes about 40 s for no measured gain (bench/RESULTS.md, "The GPU step").
+    costs compile time for no measured gain (bench/RESULTS.md, "The GPU step").
     """
     limit_compile_threads(ranks_on_this_machine(world_size))
     for block in model.layers:
