@@ -1,12 +1,12 @@
 """Progress of long work as plain lines on stderr, the same on a terminal and in a log file.
 
-    with Progress("[encode] train.txt", total=size, unit="B") as progress:
-        for chunk in chunks:
-            progress.update(len(chunk))
+    progress = Progress("[encode] train.txt", total=size, unit="B")
+    for chunk in chunks:
+        progress.update(len(chunk))
 
 The first line comes FIRST_S seconds in, then one every EVERY_S seconds, each with the share done,
-the rate and the time left; work that ends sooner says nothing. The training loop keeps the same
-clock for its lines between those of `train.log_interval` (tinylm/pretrain/log.py).
+the rate and the time left; work that ends sooner says nothing. The training loop times its lines
+between those of `train.log_interval` with the same `ProgressClock` (tinylm/pretrain/log.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,25 @@ def amount(value: float, unit: str) -> str:
     return f"{value:.0f} B"
 
 
+class ProgressClock:
+    """When the next progress line is due: FIRST_S seconds after the start, then EVERY_S seconds
+    after the last line."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        """Count FIRST_S from now (the start of the work, or after a pause such as a compilation)."""
+        self._last, self._after = time.perf_counter(), FIRST_S
+
+    def due(self) -> bool:
+        return time.perf_counter() - self._last >= self._after
+
+    def printed(self) -> None:
+        """A line was printed: the next is due EVERY_S from now."""
+        self._last, self._after = time.perf_counter(), EVERY_S
+
+
 class Progress:
     """Lines on stderr for work of `total` units (None: unknown), labelled `label`; `enabled=False`
     prints nothing."""
@@ -35,22 +54,15 @@ class Progress:
     def __init__(self, label: str, total: float | None, unit: str = "", enabled: bool = True):
         self.label, self.total, self.unit, self.enabled = label, total, unit, enabled
         self.done = 0.0
-        self.started = self._last = time.perf_counter()
-        self._after = FIRST_S
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
+        self.started = time.perf_counter()
+        self.clock = ProgressClock()
 
     def update(self, n: float = 1) -> None:
         """Count `n` more units done; print a line when one is due."""
         self.done += n
-        now = time.perf_counter()
-        if self.enabled and now - self._last >= self._after:
-            print(f"{self.label}: {self.line(now)}", file=sys.stderr, flush=True)
-            self._last, self._after = now, EVERY_S
+        if self.enabled and self.clock.due():
+            print(f"{self.label}: {self.line(time.perf_counter())}", file=sys.stderr, flush=True)
+            self.clock.printed()
 
     def line(self, now: float) -> str:
         """'1.2 MB of 5.0 MB (24 %) in 6 s, 0.2 MB/s, 19 s left' (no share or time left without a total)."""

@@ -50,10 +50,10 @@ def download(url: str, sha256: str, cache_dir: str | os.PathLike) -> Path:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(tmp, "wb") as out:
                 length = response.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
-                with Progress(f"[corpus] download {url}", total, "B") as bar:
-                    while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
-                        out.write(chunk)
-                        bar.update(len(chunk))
+                bar = Progress(f"[corpus] download {url}", total, "B")
+                while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
+                    out.write(chunk)
+                    bar.update(len(chunk))
         except (OSError, ValueError, http.client.HTTPException) as error:
             raise CorpusError(
                 f"download of {url} failed: {error}; without a network, put the file at {path} "

@@ -190,8 +190,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.optimizer_cls = optimizer_cls
         self.contract = state_contract(optimizer_cls)
-        self.elementwise_state = tuple(sorted(self.contract.elementwise))  # its class's contract
-        self.per_parameter_state = tuple(sorted(self.contract.per_parameter))
         self.bucket_size_mb = bucket_size_mb
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -202,6 +200,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ calls self.add_param_group for each group; the layout waits for all.
         super().__init__(params, defaults=kwargs)
         self._lay_out()
+
+    @property
+    def elementwise_state(self) -> frozenset[str]:
+        """Its optimizer class's contract (see `state_contract`)."""
+        return self.contract.elementwise
+
+    @property
+    def per_parameter_state(self) -> frozenset[str]:
+        return self.contract.per_parameter
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters (with its hyperparameters); every parameter is laid out again."""

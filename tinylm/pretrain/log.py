@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from tinylm import progress
 from tinylm.config import TrainConfig
 from tinylm.flops import flops_per_token
 from tinylm.model import Transformer
 from tinylm.parallel import RankContext
+from tinylm.progress import ProgressClock
 from tinylm.throughput import StepMeter, peak_flops
 
 STAGE = "pretrain"
@@ -70,8 +70,8 @@ class TrainingLog:
             self.writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=start)
         self._header(ctx, model, dtype)
         self.loss_sum, self.loss_steps, self.val_loss = 0.0, 0, math.nan
-        self.started = self._step_started = self._mark = self._last_line = time.perf_counter()
-        self._progress_after = progress.FIRST_S
+        self.started = self._step_started = self._mark = time.perf_counter()
+        self.clock = ProgressClock()  # lines by time between those by steps
 
     def _header(self, ctx: RankContext, model: Transformer, dtype: torch.dtype) -> None:
         train, shape = self.train, model.config
@@ -115,7 +115,7 @@ class TrainingLog:
                 f"torch.compile: the first step took {self.meter.last_step_s:.1f} s (compilation included)"
             )
             self.meter.restart()
-            self._last_line = time.perf_counter()  # the first timed line comes after compiled steps
+            self.clock.restart()  # the first timed line comes after compiled steps
         if step % train.log_interval == 0 or step == train.max_iters:
             mean_of = f"mean of {self.loss_steps} steps" if self.loss_steps > 1 else "1 step"
             lr = next(iter(lrs.values()))  # the first group's ("matrices")
@@ -126,12 +126,12 @@ class TrainingLog:
                 + (f" loss scale {scaler.scale:g}" if scaler.enabled else "")
             )
             self.loss_sum, self.loss_steps = 0.0, 0
-            self._progress_line_printed()
-        elif time.perf_counter() - self._last_line >= self._progress_after:
-            # Between the lines by steps, on tinylm/progress.py's clock: the speed and the time left,
-            # so that a slow machine is known within seconds (the loss keeps its log_interval windows).
+            self.clock.printed()
+        elif self.clock.due():
+            # Between the lines by steps: the speed and the time left, so that a slow machine is
+            # known within seconds (the loss keeps its log_interval windows).
             self.print(f"step {step}/{train.max_iters} {self.meter.report(train.max_iters - step)}")
-            self._progress_line_printed()
+            self.clock.printed()
         if overflow:
             self.print(
                 f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}"
@@ -142,9 +142,6 @@ class TrainingLog:
                 self.writer.add_scalar(f"lr/{name}", group_lr, step)
             self.writer.add_scalar("grad_norm", grad_norm, step)
         self._mark = time.perf_counter()
-
-    def _progress_line_printed(self) -> None:
-        self._last_line, self._progress_after = time.perf_counter(), progress.EVERY_S
 
     def validation(self, step: int, val_loss: float) -> None:
         """Log the validation estimate of `step`, computed since the step (or the last line) ended."""

@@ -106,7 +106,7 @@ def local_device(device: torch.device | str, world_size: int) -> PlanDevice:
             str(device),
             available,
             total,
-            bf16=torch.cuda.is_bf16_supported(),
+            bf16=native_bf16(device)[0],
             peak_bf16=entry[1]["bfloat16"] if entry else None,
         )
     return PlanDevice(

@@ -82,12 +82,11 @@ def encode_corpus(
         bar = Progress(f"[encode] {input_path}", size, "B", enabled=progress)
         lengths = []
         replaced = 0
-        with bar:
-            chunks = map_in_processes(_encode_chunk, tasks, num_workers, _set_worker_tokenizer, (tokenizer,))
-            for length, chunk_bytes, chunk_replaced in chunks:
-                lengths.append(length)
-                replaced += chunk_replaced
-                bar.update(chunk_bytes)
+        chunks = map_in_processes(_encode_chunk, tasks, num_workers, _set_worker_tokenizer, (tokenizer,))
+        for length, chunk_bytes, chunk_replaced in chunks:
+            lengths.append(length)
+            replaced += chunk_replaced
+            bar.update(chunk_bytes)
         total = sum(lengths)
         if replaced:
             log.warning("%s: replaced %d invalid UTF-8 bytes with U+FFFD", input_path, replaced)

@@ -292,14 +292,14 @@ def count_pretokens(
 
     total: Counter = Counter()
     replaced = 0
-    with Progress(f"[train-tokenizer] pre-tokenize {path}", size, "B", enabled=progress) as bar:
-        for counts, task_replaced, task_bytes in map_in_processes(count_chunks, tasks, num_workers):
-            if len(counts) > len(total):  # add the smaller Counter into the larger one
-                total, counts = counts, total
-            total.update(counts)
-            del counts
-            replaced += task_replaced
-            bar.update(task_bytes)
+    bar = Progress(f"[train-tokenizer] pre-tokenize {path}", size, "B", enabled=progress)
+    for counts, task_replaced, task_bytes in map_in_processes(count_chunks, tasks, num_workers):
+        if len(counts) > len(total):  # add the smaller Counter into the larger one
+            total, counts = counts, total
+        total.update(counts)
+        del counts
+        replaced += task_replaced
+        bar.update(task_bytes)
     if replaced:
         log.warning("%s: replaced %d invalid UTF-8 bytes with U+FFFD", path, replaced)
     return total
