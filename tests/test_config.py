@@ -1,5 +1,6 @@
 """Config validation: every bad value is refused with a message naming the key and the value."""
 
+import copy
 import dataclasses
 import shutil
 import subprocess
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tinylm.config import Config, ConfigError, TrainConfig, from_dict, load_config, run_hash
 from tinylm.config import docs as config_docs
@@ -386,3 +389,56 @@ def test_a_config_file_with_seeds_loads_as_its_main_config(tmp_path):
     path.write_text(yaml.safe_dump({**raw_default(), "seeds": [1, 1]}))
     with pytest.raises(ConfigError, match=r"sweep.yaml: seeds: .* got \[1, 1\]"):
         load_config(path)
+
+
+nested = st.recursive(
+    st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2)),
+    lambda children: st.dictionaries(st.sampled_from("abc"), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    st.dictionaries(st.sampled_from("abc"), nested, max_size=3),
+    st.dictionaries(st.sampled_from("abc"), nested, max_size=3),
+)
+@settings(max_examples=200, deadline=None)
+def test_config_files_merge_as_snakemake_merges_them(base, over):
+    """`--config FILE` merges FILE onto config/config.yaml as Snakemake merges --configfile onto it."""
+    from snakemake.utils import update_config
+
+    from tinylm.config.merging import merge_onto
+
+    expected = copy.deepcopy(base)
+    update_config(expected, copy.deepcopy(over))
+    before = copy.deepcopy(base)
+    assert merge_onto(base, over) == expected
+    assert base == before  # the base is not changed
+
+
+def test_a_config_given_by_hand_merges_onto_the_project_config(tmp_path, monkeypatch, capsys):
+    """A partial file by hand takes the rest from config/config.yaml (as Snakemake does); the stage says
+    so in its first line, and an error names the file that set the key."""
+    from tinylm.__main__ import main
+    from tinylm.config.merging import resolve_config
+
+    (tmp_path / "config").mkdir()
+    project = yaml.safe_load(CONFIG.read_text())
+    project["generate"]["seed"] = 1
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(project))
+    (tmp_path / "partial.yaml").write_text("train:\n  max_iters: 300\n")
+    (tmp_path / "bad.yaml").write_text("train:\n  max_iter: 30\n")
+    monkeypatch.chdir(tmp_path)
+    cfg, layers = resolve_config("partial.yaml")
+    assert (cfg.generate.seed, cfg.train.max_iters) == (1, 300)
+    assert [name for name, _ in layers] == ["config/config.yaml", "partial.yaml"]
+    typo = r"^bad.yaml: train.max_iter: unknown key; did you mean `train.max_iters`"
+    with pytest.raises(ConfigError, match=typo):
+        resolve_config("bad.yaml")
+    assert main(["env", "--config", "partial.yaml", "--timed-steps", "0"]) == 0
+    said = capsys.readouterr().err
+    assert "[env] config: partial.yaml over config/config.yaml over the built-in defaults" in said
+    # Outside a project folder, the file alone over the built-in defaults.
+    monkeypatch.chdir(tmp_path / "config")
+    cfg, layers = resolve_config("../partial.yaml")
+    assert (cfg.generate.seed, cfg.train.max_iters) == (0, 300) and len(layers) == 1

@@ -260,7 +260,7 @@ def test_sample_cli_prints_the_completion(tiny_lm):
     [
         (["--top-p", "0"], "--top-p: 0.0 is out of range"),
         (["--seed", "-1"], "--seed: -1 is out of range"),
-        (["--step", "7"], "no published checkpoint of step 7"),
+        (["--step", "7"], "--step 7: {checkpoints} holds steps "),
         (["--prompt", ""], "--prompt: the prompt is empty"),
     ],
 )
@@ -277,7 +277,8 @@ def test_sample_cli_refuses_bad_options(tiny_lm, capsys, option, message):
     ]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "tinylm sample: error: " in err and message in err, err
+    assert "tinylm sample: error: " in err and message.format(checkpoints=tiny_lm["checkpoints"]) in err, err
+    assert "[sample] step" not in err  # no line about a step that is not read
 
 
 def tinylm(*args) -> subprocess.CompletedProcess:
@@ -296,3 +297,70 @@ def test_an_empty_configured_prompt_is_named(tiny_lm, tmp_path):
     with pytest.raises(ValueError, match=r"generate.prompts\[1\]: the prompt is empty"):
         write_samples(gen, tiny_lm["checkpoints"], tiny_lm["tokenizer"], tmp_path / "samples.txt")
     assert not (tmp_path / "samples.txt").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_said_in_one_line(tiny_lm, capsys):
+    from tinylm.__main__ import main
+
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    model, _ = load_model(tiny_lm["checkpoints"])
+    common = ["--tokenizer", str(tiny_lm["tokenizer"]), "--checkpoint-dir", str(tiny_lm["checkpoints"])]
+    long_prompt = "the king of the realm " * 40
+    num_ids = len(tokenizer.encode(long_prompt))
+    assert num_ids > model.context_length
+    assert main(["sample", "--prompt", long_prompt, "--max-new-tokens", "3", *common]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"[sample] --prompt: {num_ids} tokens, longer than the model's context of {model.context_length}: "
+        f"the model sees its last {model.context_length} tokens"
+    ) in err
+    assert main(["sample", "--prompt", "the king", "--max-new-tokens", "3", *common]) == 0
+    assert "longer than the model's context" not in capsys.readouterr().err
+
+
+def test_generate_quotes_the_eval_csv_beside_its_checkpoints_by_default(tiny_lm, tmp_path, capsys):
+    """Without --eval, the samples' header quotes the exact loss from the eval.csv the evaluate stage
+    wrote beside the checkpoint folder; without one (or an older one), one line says why not."""
+    import shutil
+
+    import numpy as np
+
+    from tinylm.__main__ import main
+    from tinylm.eval_table import read_eval
+
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(tiny_lm["checkpoints"], folder)
+    tokenizer = Tokenizer.load(tiny_lm["tokenizer"])
+    np.save(tmp_path / "valid.npy", np.array(tokenizer.encode(tiny_lm["text"][:2000]), dtype=np.uint16))
+    config = tmp_path / "gen.yaml"  # stage keys only: no model to compare with the folder's
+    config.write_text("generate:\n  max_new_tokens: 3\n  threads: 1\nevaluate:\n  threads: 1\n")
+    common = [
+        "--tokenizer",
+        str(tiny_lm["tokenizer"]),
+        "--checkpoint-dir",
+        str(folder),
+        "--config",
+        str(config),
+    ]
+    samples = tmp_path / "samples.txt"
+    assert main(["generate", *common, "--output", str(samples)]) == 0
+    assert (
+        f"[generate] no exact-loss line: {folder.parent / 'eval.csv'} does not exist"
+        in capsys.readouterr().err
+    )
+    assert "exact validation loss" not in samples.read_text()
+
+    evaluated = folder.parent / "eval.csv"
+    valid = str(tmp_path / "valid.npy")
+    assert main(["evaluate", *common, "--valid-tokens", valid, "--output", str(evaluated)]) == 0
+    assert main(["generate", *common, "--output", str(samples)]) == 0
+    assert "no exact-loss line" not in capsys.readouterr().err
+    loss = read_eval(evaluated)["val_loss"].iloc[-1]
+    assert f"# exact validation loss {loss:.4f} nats per token" in samples.read_text()
+
+    checkpoint = folder / f"step_{tiny_lm['step']}.pt"
+    later = evaluated.stat().st_mtime + 10
+    os.utime(checkpoint, (later, later))  # trained again after the evaluation
+    assert main(["generate", *common, "--output", str(samples)]) == 0
+    assert f"no exact-loss line: {evaluated} is older than {checkpoint}" in capsys.readouterr().err
+    assert "exact validation loss" not in samples.read_text()

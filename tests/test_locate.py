@@ -15,7 +15,7 @@ import yaml
 from helpers import MODEL
 
 from tinylm.__main__ import main
-from tinylm.checkpoint import Manifest
+from tinylm.checkpoint import Manifest, published_manifest
 from tinylm.config import load_config, run_hash, weight_config
 from tinylm.io import sha256_file
 from tinylm.locate import config_differences, find_checkpoints
@@ -45,6 +45,7 @@ def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> No
         Path(tiny_lm["checkpoints"]) / f"step_{tiny_lm['step']}.pt", map_location="cpu", weights_only=True
     )
     recorded = weight_config(load_config(config_path))
+    model_config = published_manifest(tiny_lm["checkpoints"], tiny_lm["step"]).model_config
     for step in steps:
         state_lib.commit(
             state_dir,
@@ -54,6 +55,7 @@ def commit_steps(state_dir: Path, steps, config_path: Path, tiny_lm: dict) -> No
                 world_size=1,
                 tokens_seen=step * 64,
                 config=recorded,
+                model_config=model_config,
                 tokenizer_sha256=sha256_file(tiny_lm["tokenizer"]),
             ),
             keep=10,
@@ -134,20 +136,42 @@ def test_no_checkpoint_anywhere_names_both_folders(workdir, capsys):
     assert "tinylm sample: error: results/checkpoints: no committed checkpoints" in err
 
 
-def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, capsys, tmp_path_factory):
+def test_checkpoints_of_another_config_are_refused_in_one_line(workdir, tiny_lm, capsys, tmp_path_factory):
     trained_with = write_config(tmp_path_factory.mktemp("other") / "config.yaml")  # seed 0, lr 6e-3
     commit_steps(Path("elsewhere"), [100], trained_with, tiny_lm)
     publish("elsewhere", "results/checkpoints")
     write_config(Path("config/config.yaml"), seed=1, lr_max=0.003)  # then the config was edited
+    state_dir = Path("results/state") / run_hash(load_config("config/config.yaml"))
     expected = (
-        "was trained with another config than config/config.yaml: train.seed: 0 in the checkpoint, "
-        "1 in the config; train.lr_max: 0.006 in the checkpoint, 0.003 in the config"
+        "results/checkpoints/step_100.pt was trained with another config than config/config.yaml: "
+        "train.seed: 0 in the checkpoint, 1 in the config; train.lr_max: 0.006 in the checkpoint, 0.003 "
+        f"in the config; the run it describes has no committed step in {state_dir / 'published'}"
     )
     for argv in (["sample", "--prompt", "the king"], ["evaluate"], ["generate"]):
-        code, _, err = run_cli(capsys, *argv)
-        assert code == 0, err
-        lines = [line for line in err.splitlines() if "another config" in line]
-        assert lines == [f"[{argv[0]}] results/checkpoints/step_100.pt {expected}"], err
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 1 and not out, err
+        (line,) = [line for line in err.splitlines() if "another config" in line]
+        assert line.startswith(f"tinylm {argv[0]}: error: {expected}"), err
+        assert "[sample] step" not in err
+    assert not Path("results/eval.csv").exists() and not Path("results/samples.txt").exists()
+
+    # The folder named explicitly, and no config given: the folder's run, whatever config.yaml says.
+    code, out, err = run_cli(
+        capsys, "sample", "--prompt", "the king", "--checkpoint-dir", "results/checkpoints"
+    )
+    assert code == 0 and out.strip() and "another config" not in err, err
+    # The folder named explicitly with a config given: the two must agree.
+    code, _, err = run_cli(
+        capsys,
+        "sample",
+        "--prompt",
+        "the king",
+        "--checkpoint-dir",
+        "results/checkpoints",
+        "--config",
+        "config/config.yaml",
+    )
+    assert code == 1 and "train.seed: 0 in the checkpoint, 1 in the config" in err, err
 
     write_config(Path("config/config.yaml"))  # the config it was trained with: nothing to say
     code, _, err = run_cli(capsys, "sample", "--prompt", "the king")
@@ -157,6 +181,43 @@ def test_checkpoints_of_another_config_are_named_in_one_line(workdir, tiny_lm, c
         capsys, "sample", "--prompt", "the king", "--config-json", '{"generate": {"threads": 1}}'
     )
     assert code == 0 and "another config" not in err
+
+
+def test_a_config_of_another_model_reads_its_own_run_not_results_checkpoints(workdir, tiny_lm, capsys):
+    """results/checkpoints holds the default run (more steps); a smaller model's config trained by hand
+    has its committed steps in its own state folder: the stage reads those, and says so."""
+    commit_steps(Path("default_state"), [100, 200], Path("config/config.yaml"), tiny_lm)
+    publish("default_state", "results/checkpoints")
+    small = write_config(Path("small.yaml"), seed=5)
+    small_state = Path("results/state") / run_hash(load_config(small))
+    code, out, err = run_cli(capsys, "sample", "--prompt", "the king", "--config", small)
+    assert code == 1 and not out
+    assert (
+        "tinylm sample: error: results/checkpoints/step_200.pt was trained with another config than " in err
+    )
+    assert "train.seed: 0 in the checkpoint, 5 in the config" in err
+    commit_steps(small_state, [50], small, tiny_lm)
+    code, out, err = run_cli(capsys, "sample", "--prompt", "the king", "--config", small)
+    assert code == 0 and out.strip(), err
+    assert (
+        f"[sample] results/checkpoints holds another run than small.yaml (train.seed: 0 in the "
+        f"checkpoint, 5 in the config); reading the run it describes from {small_state / 'published'}"
+    ) in err
+    assert f"[sample] step 50 of {small_state / 'published'}" in err
+
+
+def test_a_config_of_another_vocabulary_is_refused_naming_the_key(workdir, tiny_lm, capsys):
+    commit_steps(Path("default_state"), [100], Path("config/config.yaml"), tiny_lm)
+    publish("default_state", "results/checkpoints")
+    other = Path("other_vocab.yaml")
+    other.write_text(yaml.safe_dump({"tokenizer": {"vocab_size": MODEL["vocab_size"] + 1}}))
+    code, _, err = run_cli(capsys, "evaluate", "--config", other)
+    assert code == 1
+    assert (
+        f"tokenizer.vocab_size: {MODEL['vocab_size']} in the checkpoint, "
+        f"{MODEL['vocab_size'] + 1} in the config"
+    ) in err, err
+    assert not Path("results/eval.csv").exists()
 
 
 def test_find_checkpoints_prefers_the_published_folder_unless_the_state_is_newer(tmp_path, tiny_lm):
@@ -179,6 +240,10 @@ def test_config_differences_name_each_key():
     cfg = load_config(ROOT / "config" / "config.yaml")
     recorded = weight_config(cfg)
     assert config_differences(Manifest(config=recorded), cfg) == []
+    vocab = cfg.tokenizer.vocab_size
+    assert config_differences(Manifest(model_config={"vocab_size": vocab + 8}), cfg) == [
+        f"tokenizer.vocab_size: {vocab + 8} in the checkpoint, {vocab} in the config"
+    ]
     assert config_differences(Manifest(), cfg) == []  # an older manifest records no config
     recorded["model"]["d_ff"] = 96
     recorded["train"]["seed"] = 3

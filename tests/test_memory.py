@@ -4,6 +4,7 @@ of a run that does not fit."""
 
 import dataclasses
 import re
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from tinylm.nn_utils import cross_entropy
 from tinylm.pretrain import memory
 from tinylm.pretrain.memory import plan_memory, smallest_fitting_accumulation, step_memory
 from tinylm.pretrain.optimizer import build_optimizer
+from tinylm.tokenizer import Tokenizer
 
 SHAPE = dict(vocab_size=300, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=176)
 
@@ -254,19 +256,23 @@ def test_bad_values_are_named():
 
 def test_the_plan_of_the_cli_has_a_total_line_and_trains_nothing(tmp_path):
     proc = subprocess.run(
+        [sys.executable, "-m", "tinylm", "pretrain", "--plan"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "planned with the config's vocabulary: tokenizer.vocab_size 4,096" in proc.stderr
+    assert re.search(r"\] +total +[\d.]+ (GiB|MiB)", proc.stderr)
+    proc = subprocess.run(
         [sys.executable, "-m", "tinylm", "pretrain", "--plan", "--tokenizer", "/nonexistent/tokenizer.json"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
-    # No tokenizer file yet (a fresh checkout): the config's vocabulary, said so.
-    assert proc.returncode == 0, proc.stderr
-    assert (
-        "/nonexistent/tokenizer.json does not exist yet: planned with tokenizer.vocab_size 4096"
-        in proc.stderr
-    )
-    assert re.search(r"\] +total +[\d.]+ (GiB|MiB)", proc.stderr)
+    assert proc.returncode == 1 and "/nonexistent/tokenizer.json" in proc.stderr  # a file given must exist
 
 
 def plan_cli(capsys, monkeypatch, folder, *argv) -> tuple[int, str]:
@@ -278,14 +284,14 @@ def plan_cli(capsys, monkeypatch, folder, *argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_the_plan_works_from_the_config_alone_and_counts_the_model(tmp_path, capsys, monkeypatch):
+def test_the_plan_works_from_the_config_alone_and_counts_the_model(tmp_path, capsys, monkeypatch, tiny_lm):
     config = write_tiny_config(tmp_path / "c.yaml", tokenizer={"vocab_size": 512})
-    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config)  # no tokenizer file exists
+    # Another run's tokenizer of 320 entries where the default run's would be: never read.
+    (tmp_path / "results" / "tokenizer").mkdir(parents=True)
+    shutil.copy(tiny_lm["tokenizer"], tmp_path / "results" / "tokenizer" / "tokenizer.json")
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config)
     assert code == 0, err
-    assert (
-        "[pretrain] results/tokenizer/tokenizer.json does not exist yet: planned with "
-        "tokenizer.vocab_size 512" in err
-    )
+    assert "[pretrain] planned with the config's vocabulary: tokenizer.vocab_size 512" in err
     cfg = from_dict(yaml.safe_load(config.read_text()))
     model = Transformer(vocab_size=512, **dataclasses.asdict(cfg.model))  # a real one, by another path
     parameters = sum(p.numel() for p in model.parameters())
@@ -297,7 +303,16 @@ def test_the_plan_works_from_the_config_alone_and_counts_the_model(tmp_path, cap
     m = cfg.model
     flops = 6 * matmul + 12 * m.num_layers * m.d_model * m.context_length
     assert f"[pretrain] model: {parameters:,} parameters; {flops:.3g} training FLOPs per token" in err
-    assert "memory plan per rank" in err and not (tmp_path / "results").exists()  # nothing written
+    assert "memory plan per rank" in err
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["tokenizer"]  # nothing written
+    # A tokenizer given explicitly: its vocabulary, said so.
+    tokenizer = tiny_lm["tokenizer"]
+    code, err = plan_cli(capsys, monkeypatch, tmp_path, "--config", config, "--tokenizer", tokenizer)
+    assert code == 0, err
+    vocab = len(Tokenizer.load(tiny_lm["tokenizer"]).vocab)
+    assert f"[pretrain] planned with the vocabulary of {tiny_lm['tokenizer']}: {vocab:,} tokens" in err
+    with_vocab = Transformer(vocab_size=vocab, **dataclasses.asdict(cfg.model))
+    assert f"model: {sum(p.numel() for p in with_vocab.parameters()):,} parameters" in err
 
 
 def test_a_plan_for_a_named_gpu_chooses_its_accumulation_there(tmp_path, capsys, monkeypatch):

@@ -1,5 +1,6 @@
 """End to end: the real Snakemake workflow on a tiny config, twice, byte for byte the same."""
 
+import dataclasses
 import json
 import os
 import re
@@ -268,6 +269,44 @@ def test_job_lines_are_short_and_hand_each_stage_its_config_in_a_file(tmp_path):
         assert sections and all(sections[name] == {**sections[name], **config[name]} for name in sections)
     stage = {c.split("-m tinylm ")[1].split()[0]: c for c in commands}
     assert "--log results/logs/pretrain.log" in stage["pretrain"] and "| tee" not in stage["pretrain"]
+
+
+def test_a_config_file_resolves_to_the_same_values_by_hand_and_under_snakemake(tmp_path, monkeypatch):
+    """config/config.yaml sets generate.seed: 1; a partial file given by hand (--config) and to Snakemake
+    (--configfile) merges onto it in both: every stage's sections equal what `config --show` resolves."""
+    from tinylm.config.merging import resolve_config
+
+    workdir = make_workdir(tmp_path, tmp_path / "cache")
+    config = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
+    config["generate"]["seed"] = 1
+    del config["model"]["rope_theta"]  # at its default: from the built-in defaults
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    partial = {"train": {"max_iters": 30}, "generate": {"top_p": 0.5}}
+    (workdir / "partial.yaml").write_text(yaml.safe_dump(partial))
+    out = snakemake(
+        workdir, "results/samples.txt", "--configfile", str(workdir / "partial.yaml"), "--dry-run", "-p"
+    ).stdout
+    monkeypatch.chdir(workdir)
+    by_hand, _ = resolve_config("partial.yaml")
+    assert (by_hand.generate.seed, by_hand.generate.top_p, by_hand.train.max_iters) == (1, 0.5, 30)
+    commands = [line.strip() for line in out.splitlines() if "-m tinylm " in line]
+    assert commands
+    for command in commands:
+        path = re.search(r"--config-json @(\S+)", command).group(1)
+        for name, values in json.loads((workdir / path).read_text()).items():
+            assert values == dataclasses.asdict(getattr(by_hand, name)), (command, name)
+    shown = subprocess.run(
+        [sys.executable, "-m", "tinylm", "config", "--show", "partial.yaml"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "# partial.yaml over config/config.yaml over the built-in defaults" in shown
+    assert re.search(r"\n  max_iters: 30 +# partial.yaml\n", shown), shown
+    assert re.search(r"\n  top_p: 0.5 +# partial.yaml\n", shown), shown
+    assert re.search(r"\n  seed: 1 +# config/config.yaml\n", shown), shown
+    assert re.search(r"\n  rope_theta: 10000.0 +# the built-in defaults\n", shown), shown
 
 
 @pytest.mark.slow

@@ -15,16 +15,18 @@ import os
 import sys
 from pathlib import Path
 
-from tinylm.config import RESULTS, Config, ConfigError, from_dict, load_config, run_state_dir
+from tinylm.config import RESULTS, Config, ConfigError, from_dict, run_state_dir
+from tinylm.config.merging import PROJECT_CONFIG, describe_layers, resolve_config
 from tinylm.io import exit_now, stderr_copied_to
 
-DEFAULT_CONFIG = "config/config.yaml"
 SPLITS = ("train", "valid")
+DEFAULT_TOKENIZER = f"{RESULTS}/tokenizer/tokenizer.json"
 
 
 def _config(args: argparse.Namespace) -> Config:
     """The config of --config-json or --config; sets args.config_name and args.weight_sections (the
-    sections of the trained weights, model and train, that were given: a config file gives all)."""
+    sections that describe trained weights, model, tokenizer and train, that the JSON or the file
+    itself gives; without --config, config/config.yaml gives all)."""
     if args.config_json is not None:
         text, args.config_name = args.config_json, "the config given with --config-json"
         if text.startswith("@"):  # @FILE: the JSON in that file (what the Snakemake rules give)
@@ -33,11 +35,20 @@ def _config(args: argparse.Namespace) -> Config:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config-json: {args.config_name}: not valid JSON: {e}") from None
-        args.weight_sections = tuple(s for s in ("model", "train") if isinstance(raw, dict) and s in raw)
+        args.weight_sections = tuple(
+            s for s in ("model", "tokenizer", "train") if isinstance(raw, dict) and s in raw
+        )
         return from_dict(raw)
-    args.config_name = args.config
-    args.weight_sections = ("model", "train")
-    return load_config(args.config)
+    path = args.config or PROJECT_CONFIG
+    cfg, layers = resolve_config(path)
+    args.config_name = path
+    given = layers[-1][1]  # the file's own sections: a file of generate keys describes no model
+    args.weight_sections = tuple(
+        s for s in ("model", "tokenizer", "train") if args.config is None or s in given
+    )
+    if args.config is not None and args.stage != "config":
+        print(f"[{args.stage}] config: {describe_layers(layers)}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def _read_text(path: str, option: str) -> str:
@@ -49,34 +60,45 @@ def _read_text(path: str, option: str) -> str:
         raise ValueError(f"{option}: cannot read {path}: {e}") from None
 
 
-def _checkpoints(cfg: Config, args: argparse.Namespace, step: int | None = None) -> tuple[str, int | None]:
+def _checkpoints(
+    cfg: Config, args: argparse.Namespace, step: int | None = None, step_option: str = "step"
+) -> tuple[str, int | None]:
     """(checkpoint folder, the step to read: `step` or the newest) for evaluate, generate, sample and export.
 
-    --checkpoint-dir given: that folder. Not given: results/checkpoints, or the state folder of the
-    run the config describes when it holds newer committed steps (a run that trains or was
-    stopped; see tinylm/locate.py). Says which when it is not results/checkpoints, and, when the
-    checkpoint was trained with other model or train keys than the config's, which keys differ.
-    Refuses a folder that holds several runs' checkpoints, and a --tokenizer other than the one the
-    checkpoints were trained with (by its sha256); says when they were trained on another machine kind.
+    --checkpoint-dir given: that folder. Not given: the run the config describes, in
+    results/checkpoints or in its state folder (newer committed steps of a run that trains or was
+    stopped, or results/checkpoints holding another run; see tinylm/locate.py), said in a line when it
+    is not results/checkpoints. Refuses checkpoints trained with other model, tokenizer or train keys
+    than the config's (naming the keys), a folder that holds several runs' checkpoints, and a
+    --tokenizer other than the one the checkpoints were trained with (by its sha256); says when they
+    were trained on another machine kind. With --checkpoint-dir, only the sections the config given
+    sets itself are compared (none without a config: the folder's run is read).
     """
     import torch
 
     from tinylm.checkpoint import check_tokenizer, published_file, published_run
-    from tinylm.locate import find_checkpoints, warn_if_other_config, warn_if_other_machine
+    from tinylm.locate import checkpoints_of_config, warn_if_other_machine
 
     if args.checkpoint_dir is not None and not Path(args.checkpoint_dir).is_dir():
         what = "is not a folder" if Path(args.checkpoint_dir).exists() else "does not exist"
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} {what}")
-    state_dir = None if args.checkpoint_dir is not None else (args.state_dir or run_state_dir(cfg))
-    folder, note = find_checkpoints(args.checkpoint_dir or f"{RESULTS}/checkpoints", state_dir, step)
-    if note:
-        print(f"[{args.stage}] {note}", file=sys.stderr, flush=True)
+    explicit = args.checkpoint_dir is not None
+    state_dir = None if explicit else (args.state_dir or run_state_dir(cfg))
+    if not explicit and args.config_json is None:
+        sections = ("model", "tokenizer", "train")  # the run the whole config describes
+    elif explicit and args.config is None and args.config_json is None:
+        sections = ()  # the folder named, no config given: the folder's run
+    else:
+        sections = args.weight_sections
+    checkpoint_dir = args.checkpoint_dir or f"{RESULTS}/checkpoints"
+    folder, step, lines = checkpoints_of_config(
+        checkpoint_dir, state_dir, step, cfg, sections, args.config_name, step_option
+    )
+    for line in lines:
+        print(f"[{args.stage}] {line}", file=sys.stderr, flush=True)
     manifests = published_run(folder)
-    if step is None and manifests:
-        step = max(manifests)
     if step in manifests:
         check_tokenizer(manifests[step], args.tokenizer, published_file(folder, step))
-        warn_if_other_config(args.stage, folder, step, cfg, args.weight_sections, args.config_name)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         warn_if_other_machine(args.stage, published_file(folder, step), manifests[step], device)
     return str(folder), step
@@ -138,6 +160,7 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     if args.plan or args.plan_device or args.plan_bandwidth:
         print_memory_plan(cfg, args.tokenizer, state_dir, args.plan_device, args.plan_bandwidth)
         return
+    tokenizer = args.tokenizer or DEFAULT_TOKENIZER
 
     def on_sigterm(signum, frame):
         raise Stopped()
@@ -146,7 +169,7 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     try:
         train(
             cfg,
-            args.tokenizer,
+            tokenizer,
             args.train_tokens,
             args.valid_tokens,
             state_dir,
@@ -185,16 +208,19 @@ def cmd_env(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def print_memory_plan(
-    cfg: Config, tokenizer_path: str, state_dir: str, plan_device: str | None, plan_bandwidth: str | None
+    cfg: Config,
+    tokenizer_path: str | None,
+    state_dir: str,
+    plan_device: str | None,
+    plan_bandwidth: str | None,
 ) -> None:
     """`pretrain --plan`: the model's size and FLOPs, the run's memory plan per rank on this
     machine or on `plan_device` (a named device), an error when it would not fit, and (world size
     > 1) the communication of one update at `plan_bandwidth` (a named link or GB/s).
 
-    Works from the config alone: without a tokenizer file yet, the vocabulary is tokenizer.vocab_size.
-    A run with committed steps in `state_dir` is planned as it will resume (its own accumulation)."""
-    from pathlib import Path
-
+    The vocabulary is the config's tokenizer.vocab_size, or that of the tokenizer file given
+    (`tokenizer_path`), never a file another run left; the first line says which. A run with
+    committed steps in `state_dir` is planned as it will resume (its own accumulation)."""
     from tinylm.parallel.comm_plan import parse_link
     from tinylm.parallel.launch import resolve_backend
     from tinylm.pretrain.log import log_line
@@ -209,11 +235,12 @@ def print_memory_plan(
     from tinylm.pretrain.steps import committed_steps, step_manifest
     from tinylm.tokenizer import Tokenizer
 
-    if Path(tokenizer_path).is_file():
-        vocab_size = len(Tokenizer.load(tokenizer_path).vocab)
-    else:
+    if tokenizer_path is None:
         vocab_size = cfg.tokenizer.vocab_size
-        log_line(True, f"{tokenizer_path} does not exist yet: planned with tokenizer.vocab_size {vocab_size}")
+        log_line(True, f"planned with the config's vocabulary: tokenizer.vocab_size {vocab_size:,}")
+    else:
+        vocab_size = len(Tokenizer.load(tokenizer_path).vocab)
+        log_line(True, f"planned with the vocabulary of {tokenizer_path}: {vocab_size:,} tokens")
     if plan_device:
         device = named_device(plan_device, cfg.train.world_size)
     else:
@@ -258,11 +285,17 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def cmd_generate(cfg: Config, args: argparse.Namespace) -> None:
+    from tinylm.eval_table import eval_beside
     from tinylm.generate import write_samples
 
     _say_threads("generate", cfg.generate.threads)
     checkpoint_dir, step = _checkpoints(cfg, args)
-    write_samples(cfg.generate, checkpoint_dir, args.tokenizer, args.output, eval_path=args.eval)
+    eval_path = args.eval
+    if eval_path is None and step is not None:
+        eval_path, note = eval_beside(checkpoint_dir, step)
+        if note:
+            print(f"[generate] {note}", file=sys.stderr, flush=True)
+    write_samples(cfg.generate, checkpoint_dir, args.tokenizer, args.output, eval_path=eval_path)
     print(
         f"[generate] {len(cfg.generate.prompts)} samples from step {step} of {checkpoint_dir} "
         f"written to {args.output}",
@@ -294,7 +327,7 @@ def cmd_sample(cfg: Config, args: argparse.Namespace) -> None:
         raise ConfigError(f"{SAMPLE_OPTIONS.get(key, key)}: {str(e).split(': ', 1)[1]}") from None
     if not args.prompt:
         raise ValueError("--prompt: the prompt is empty; give the text to continue")
-    checkpoint_dir, step = _checkpoints(cfg, args, args.step)
+    checkpoint_dir, step = _checkpoints(cfg, args, args.step, "--step")
     if step is not None:
         print(f"[sample] step {step} of {checkpoint_dir}", file=sys.stderr, flush=True)
     sample(gen, checkpoint_dir, args.tokenizer, args.prompt, sys.stdout, step)
@@ -308,7 +341,7 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(cfg.export.threads)
     _say_threads("export", cfg.export.threads)
-    checkpoint_dir, step = _checkpoints(cfg, args, cfg.export.step)
+    checkpoint_dir, step = _checkpoints(cfg, args, cfg.export.step, "export.step")
     export_hf(checkpoint_dir, args.tokenizer, args.output, step, cfg.export.dtype)
     print(f"[export] step {step} of {checkpoint_dir} exported to {args.output}", file=sys.stderr)
 
@@ -355,6 +388,31 @@ def cmd_scaling_laws(cfg: Config, args: argparse.Namespace) -> None:
     print(summary(report), file=sys.stderr)
 
 
+def cmd_config(cfg: Config | None, args: argparse.Namespace) -> None:
+    """`config --show [FILE]`: the resolved config as YAML, each key with where its value came from."""
+    from tinylm.config import run_configs
+    from tinylm.config.merging import config_layers, merge_onto, value_sources
+
+    cfg, layers = resolve_config(args.show)
+    lines = [f"# {describe_layers(layers)}"]
+    rows = value_sources(layers, cfg)
+    width = max(len(f"  {key.split('.', 1)[1]}: {json.dumps(value)}") for key, value, _ in rows)
+    section = None
+    for key, value, source in rows:
+        name, field = key.split(".", 1)
+        if name != section:
+            lines.append(f"{name}:")
+            section = name
+        lines.append(f"{f'  {field}: {json.dumps(value)}':<{width}}  # {source}")
+    raw = {}
+    for _, layer in config_layers(args.show):
+        raw = merge_onto(raw, layer)
+    named = [run for run in run_configs(raw) if run != "default"]
+    if named:
+        lines.append(f"# runs (each the config above with its overrides): {', '.join(named)}")
+    print("\n".join(lines))
+
+
 def cmd_config_docs(cfg: Config | None, args: argparse.Namespace) -> None:
     from tinylm.config import docs as config_docs
 
@@ -398,7 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         g = p.add_mutually_exclusive_group()
         g.add_argument(
-            "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})"
+            "--config",
+            default=None,
+            metavar="FILE",
+            help=f"a YAML config file, merged onto {PROJECT_CONFIG} as Snakemake's --configfile is "
+            f"(default: {PROJECT_CONFIG} alone; `python -m tinylm config --show FILE` prints the result)",
         )
         g.add_argument(
             "--config-json",
@@ -422,7 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", nargs="+", default=[f"{RESULTS}/tokens/{split}.npy" for split in SPLITS])
 
     p = stage("pretrain", cmd_pretrain, "token files -> checkpoints (resumes a killed run)")
-    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help=f"the tokenizer the token files were encoded with (default {DEFAULT_TOKENIZER}); --plan "
+        "plans with its vocabulary when given, with the config's tokenizer.vocab_size otherwise",
+    )
     p.add_argument("--train-tokens", default=f"{RESULTS}/tokens/train.npy")
     p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
     p.add_argument(
@@ -484,7 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
     checkpoint_arguments(p)
-    p.add_argument("--eval", default=None, help="eval.csv: quote the checkpoint's exact validation loss")
+    p.add_argument(
+        "--eval",
+        default=None,
+        help="eval.csv whose row for the checkpoint's step the samples' header quotes (default: the "
+        "eval.csv beside the checkpoint folder, when it has that row and is newer than the checkpoint)",
+    )
     p.add_argument("--output", default=f"{RESULTS}/samples.txt")
 
     p = stage("sample", cmd_sample, "stream the completion of --prompt from a checkpoint to stdout")
@@ -545,6 +617,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="training steps timed for the estimate; 0 = no estimate (default: %(default)s)",
     )
+
+    about = (
+        f"print the resolved config: FILE merged onto {PROJECT_CONFIG} as --config and Snakemake's "
+        "--configfile merge it, each key with the file it came from"
+    )
+    p = sub.add_parser("config", help=about, description=about)
+    p.add_argument(
+        "--show",
+        nargs="?",
+        const=PROJECT_CONFIG,
+        default=PROJECT_CONFIG,
+        metavar="FILE",
+        help=f"the config file to resolve (default {PROJECT_CONFIG} alone)",
+    )
+    p.set_defaults(func=cmd_config, reads_config=False)
 
     about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
     p = sub.add_parser("config-docs", help=about, description=about)

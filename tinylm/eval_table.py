@@ -30,6 +30,25 @@ def read_eval(csv_path: str | os.PathLike) -> pd.DataFrame:
     return table
 
 
+def eval_beside(checkpoint_dir: str | os.PathLike, step: int) -> tuple[Path | None, str | None]:
+    """(the eval.csv beside a checkpoint folder that holds `step`'s row, or None; a line saying why
+    not). The folder's eval.csv is the one the evaluate stage writes for it (results/checkpoints ->
+    results/eval.csv, results/runs/<run>/checkpoints -> results/runs/<run>/eval.csv); a file older
+    than the step's checkpoint was made before it was trained and is not quoted."""
+    path = Path(checkpoint_dir).parent / "eval.csv"
+    checkpoint = Path(checkpoint_dir) / f"step_{step}.pt"
+    why = None
+    if not path.is_file():
+        why = f"{path} does not exist"
+    elif checkpoint.is_file() and path.stat().st_mtime < checkpoint.stat().st_mtime:
+        why = f"{path} is older than {checkpoint}"
+    elif step not in set(read_eval(path)["step"]):
+        why = f"{path} has no row for step {step}"
+    if why:
+        return None, f"no exact-loss line: {why} (run evaluate, or give --eval)"
+    return path, None
+
+
 def notes_path_for(csv_path: str | os.PathLike) -> Path:
     """The sidecar file that says how each column of `csv_path` is counted: eval_columns.md beside it."""
     return Path(csv_path).with_name("eval_columns.md")

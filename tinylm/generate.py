@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
@@ -187,6 +188,17 @@ def load_for_sampling(
     return model, tokenizer, step, tokenizer.special_ids[END_OF_TEXT]
 
 
+def say_if_cropped(name: str, num_ids: int, context_length: int) -> None:
+    """One line on stderr when a prompt has more tokens than the model's context (it sees the last ones)."""
+    if num_ids > context_length:
+        print(
+            f"{name}: {num_ids} tokens, longer than the model's context of {context_length}: the model "
+            f"sees its last {context_length} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def write_samples(
     gen_cfg,
     checkpoint_dir: str | os.PathLike,
@@ -221,9 +233,11 @@ def write_samples(
             f"{row['bits_per_byte'].iloc[0]:.4f} bits per byte\n"
         )
     for i, prompt in enumerate(gen_cfg.prompts, start=1):
+        prompt_ids = tokenizer.encode(prompt)
+        say_if_cropped(f"[generate] generate.prompts[{i - 1}]", len(prompt_ids), model.context_length)
         new = generate(
             model,
-            tokenizer.encode(prompt),
+            prompt_ids,
             gen_cfg.max_new_tokens,
             model.context_length,
             gen_cfg.temperature,
@@ -261,11 +275,13 @@ def sample(
     model, tokenizer, step, eos_id = load_for_sampling(checkpoint_dir, tokenizer_path, step)
     generator = torch.Generator().manual_seed(gen_cfg.seed)
     new: list[int] = []
+    prompt_ids = tokenizer.encode(prompt)
+    say_if_cropped("[sample] --prompt", len(prompt_ids), model.context_length)
 
     def ids() -> Iterator[int]:
         for i in stream_generate(
             model,
-            tokenizer.encode(prompt),
+            prompt_ids,
             gen_cfg.max_new_tokens,
             model.context_length,
             gen_cfg.temperature,

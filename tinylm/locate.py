@@ -9,9 +9,10 @@ step there: `find_checkpoints` picks, of the two folders, the one whose newest s
 says so. The state folder is the one the config describes (results/state/<run hash>), so the user
 needs no hash. A folder named explicitly (--checkpoint-dir) is read as it is.
 
-`config_differences` compares the config recorded in a checkpoint's manifest (the model and train
-keys that decide the weights, see `config.weight_config`) with the current one, so a stage given
-checkpoints trained from another config can say which keys differ.
+A stage reads only the run its config describes (`checkpoints_of_config`): results/checkpoints
+holding another run gives way to the state folder of the config's run, and checkpoints trained with
+other keys (`config_differences`: the model and train keys that decide the weights, see
+`config.weight_config`, and the vocabulary) are refused naming the keys.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from tinylm.checkpoint import Manifest, published_manifest, published_steps
+from tinylm.checkpoint import Manifest, published_run, published_steps
 from tinylm.checkpoint.published import PUBLISHED_DIR
 from tinylm.config import Config, weight_config, weight_config_differences
 from tinylm.precision import machine, machine_differences
@@ -63,45 +64,80 @@ def find_checkpoints(
 
 
 def config_differences(
-    manifest: Manifest, cfg: Config, sections: tuple[str, ...] = ("model", "train")
+    manifest: Manifest, cfg: Config, sections: tuple[str, ...] = ("model", "tokenizer", "train")
 ) -> list[str]:
     """'section.key: V in the checkpoint, W in the config' for every key of `sections` that differs.
 
-    Compared: the keys that decide the trained weights, as the manifest's "config" records them
-    (`weight_config` at training time); a manifest without one gives no differences.
+    Compared: the model and train keys that decide the trained weights, as the manifest's "config"
+    records them (`weight_config` at training time), and `tokenizer.vocab_size` with the model's
+    vocabulary. A manifest without them gives no differences.
     """
+    out = []
     saved = manifest.config
-    if saved is None:
-        return []
-    return [
-        f"{key}: {before!r} in the checkpoint, {now!r} in the config"
-        for key, before, now in weight_config_differences(saved, weight_config(cfg), sections)
-    ]
+    if "tokenizer" in sections and manifest.model_config and "vocab_size" in manifest.model_config:
+        trained, now = manifest.model_config["vocab_size"], cfg.tokenizer.vocab_size
+        if trained != now:
+            out.append(f"tokenizer.vocab_size: {trained!r} in the checkpoint, {now!r} in the config")
+    if saved is not None:
+        out += [
+            f"{key}: {before!r} in the checkpoint, {now!r} in the config"
+            for key, before, now in weight_config_differences(saved, weight_config(cfg), sections)
+        ]
+    return out
 
 
-def warn_if_other_config(
-    stage: str,
+def checkpoints_of_config(
     checkpoint_dir: str | os.PathLike,
-    step: int,
+    state_dir: str | os.PathLike | None,
+    step: int | None,
     cfg: Config,
     sections: tuple[str, ...],
     config_name: str,
-) -> list[str]:
-    """Print one line `[stage] <step_N.pt> was trained with another config than <config_name>: ...` when
-    the recorded config of published checkpoint `step` differs from `cfg` in `sections`; returns the
-    differences. Nothing is compared when `sections` is empty (the stage was given a config without
-    a model or train section, so nothing to compare with)."""
-    if not sections:
-        return []
-    differences = config_differences(published_manifest(checkpoint_dir, step), cfg, sections)
+    step_option: str = "step",
+) -> tuple[Path, int | None, list[str]]:
+    """(folder, step, lines to say): the checkpoints of the run `cfg` describes, or an error.
+
+    `find_checkpoints` picks the folder; when it is `checkpoint_dir` but that folder holds another
+    run (its newest step differs from `cfg` in a key of `sections`) while the state folder holds
+    committed steps of the run `cfg` describes, the state folder is read instead, said in a line.
+    The step read (`step`, else the newest) must exist, and its checkpoint must have been trained
+    with `cfg`'s keys of `sections`: otherwise a ValueError naming the keys (or `step_option`, the
+    option or key that asked for a step that is not there) and where the config's
+    run is (nothing is compared when `sections` is empty: a config that gave no model keys).
+    """
+    folder, note = find_checkpoints(checkpoint_dir, state_dir, step)
+    lines = [note] if note else []
+    manifests = published_run(folder)
+    if state_dir is not None and folder == Path(checkpoint_dir) and manifests:
+        state_published = Path(state_dir) / PUBLISHED_DIR
+        newest = manifests[step if step in manifests else max(manifests)]
+        differences = config_differences(newest, cfg, sections)
+        committed = published_steps(state_published)
+        if differences and committed and (step is None or step in committed):
+            folder, manifests = state_published, published_run(state_published)
+            lines = [
+                f"{checkpoint_dir} holds another run than {config_name} ({differences[0]}); reading the "
+                f"run it describes from {state_published}"
+            ]
+    if not manifests:
+        return folder, step, lines  # the loader names the folder that has none
+    if step is None:
+        step = max(manifests)
+    if step not in manifests:
+        raise ValueError(f"{step_option} {step}: {folder} holds steps {', '.join(map(str, manifests))}")
+    differences = config_differences(manifests[step], cfg, sections)
     if differences:
-        print(
-            f"[{stage}] {Path(checkpoint_dir) / f'step_{step}.pt'} was trained with another config than "
-            f"{config_name}: {'; '.join(differences)}",
-            file=sys.stderr,
-            flush=True,
+        where = (
+            f"the run it describes has no committed step in {Path(state_dir) / PUBLISHED_DIR} (train it, or "
+            f"give the folder of its checkpoints with --checkpoint-dir)"
+            if state_dir is not None
+            else "give the config the checkpoints were trained with, or the folder of the run it describes"
         )
-    return differences
+        raise ValueError(
+            f"{Path(folder) / f'step_{step}.pt'} was trained with another config than {config_name}: "
+            f"{'; '.join(differences)}; {where}"
+        )
+    return folder, step, lines
 
 
 def warn_if_other_machine(stage: str, checkpoint: str | os.PathLike, manifest: Manifest, device) -> list[str]:
