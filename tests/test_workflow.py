@@ -530,18 +530,27 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(extended_r
 
 
 # ------------------------------------------------------------------------------------------------
-# Every command of the README's code blocks runs (a dry run where a full run would take too long)
+# Every command of the README's and the docs' code blocks runs (a dry run where a full run would take
+# too long), and every example in them means what it says
 
+DOC_NAMES = ("stages", "model", "experiments", "corpora", "gpus", "reproducibility")
 README = ROOT / "README.md"
+# The user's documents, in reading order: their commands run in this order.
+DOCS = [README, *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
 # The programs a README command may start with; a code block whose first line starts otherwise shows output.
 PROGRAMS = ("pip ", "snakemake ", "python ", "tensorboard ")
 
 
-def readme_code_blocks() -> list[tuple[str, list[str]]]:
-    """(info, lines) of every code block of the README: fenced ones with their info string ("yaml", ""),
-    indented ones (4 spaces after a blank line) with the info "indented" and the indentation removed."""
+def readme_code_blocks(paths: list[Path] = DOCS) -> list[tuple[str, list[str]]]:
+    """(info, lines) of every code block of the documents: fenced ones with their info string ("yaml",
+    ""), indented ones (4 spaces after a blank line) with the info "indented" and the indentation
+    removed; document after document."""
+    return [block for path in paths for block in code_blocks(path)]
+
+
+def code_blocks(path: Path) -> list[tuple[str, list[str]]]:
     blocks, fenced, indented = [], None, None
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8").splitlines()
     for n, line in enumerate(lines):
         if fenced is not None:
             if line.startswith("```"):
@@ -581,6 +590,33 @@ def readme_commands() -> list[str]:
             line = line.split("  #", 1)[0].strip()
             commands += [part.strip() for part in line.split("&&") if part.strip()]
     return commands
+
+
+def test_every_user_document_is_among_those_whose_commands_run():
+    documents = {path.name for path in (ROOT / "docs").glob("*.md")} - {"architecture.md"}
+    assert documents == {f"{name}.md" for name in DOC_NAMES}
+
+
+def test_the_examples_differ_from_the_defaults_they_vary():
+    """Every run of a `runs:` example in the README, the docs and config/README.md sets each key to a
+    value other than the default config's (a run equal to the default would retrain it under a name)."""
+    from tinylm.config import from_dict
+
+    default = from_dict(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
+    examples = 0
+    for path in [*DOCS, ROOT / "config" / "README.md"]:
+        for info, lines in code_blocks(path):
+            shown = yaml.safe_load("\n".join(lines)) if info == "yaml" else None
+            if not isinstance(shown, dict) or "runs" not in shown:
+                continue
+            for run, overrides in shown["runs"].items():
+                for key, value in overrides.items():
+                    section, name = key.split(".")
+                    assert getattr(getattr(default, section), name) != value, (
+                        f"{path.name}: runs.{run}: {key}: {value!r} is the default"
+                    )
+                    examples += 1
+    assert examples >= 6
 
 
 def test_the_readme_commands_are_found_and_each_has_a_way_to_run():
@@ -623,7 +659,7 @@ def test_every_readme_command_runs(extended_run, tmp_path):
         if info == "yaml" and lines[0].startswith("# config/"):
             (workdir / lines[0][2:]).write_text("\n".join(lines) + "\n")
     for command in readme_commands():  # the shipped config files a command names (config/ladder.yaml)
-        for name in re.findall(r"--configfile (config/\S+\.yaml)", command):
+        for name in re.findall(r"(config/\S+\.yaml)", command):
             if not (workdir / name).exists():
                 shutil.copy(ROOT / name, workdir / name)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
