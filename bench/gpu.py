@@ -30,6 +30,10 @@ activation checkpointing.
     python bench/gpu.py                          # every variant (about 8 minutes, cold caches)
     python bench/gpu.py --variants native tinylm --out-dir bench/out
     python bench/gpu.py --smoke                  # a tiny shape for a few steps: runs on the CPU too
+    python bench/gpu.py --summary bench/out/eager bench/out/compiled   # one table of both runs
+
+A variant that dies (an exception, an out-of-memory kill, a segfault) or passes --variant-timeout
+is one row saying why, and the next variant runs.
 
 On the CPU (--smoke), "kernels" are the aten operators that ran (leaves of the profiler's tree),
 the fused paths are forced on as on CUDA (their kernels are torch's CPU ones), and the attention
@@ -43,6 +47,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -401,6 +406,49 @@ def row(r: dict, by_name: dict) -> str:
     )
 
 
+def failure_row(name: str, returncode: int | None, stderr: str, timeout_s: float | None = None) -> str:
+    """The row of a variant that did not finish: why (timed out, killed by a signal, or its exit
+    status) and the last line of its stderr, if it wrote one."""
+    if timeout_s is not None:
+        why = f"timed out after {timeout_s:g} s"
+    elif returncode is not None and returncode < 0:
+        name_of = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else -returncode
+        why = f"killed by {name_of}" + (" (out of memory?)" if -returncode == signal.SIGKILL else "")
+    else:
+        why = f"exit status {returncode}"
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    return f"| {name} | failed: {why}{': ' + last[:200] if last else ''} |"
+
+
+HEADER = (
+    "| variant | tokens/s | vs native (same compile) | MFU | regions ms | kernels per step "
+    "| compiler | peak MiB | planned MiB (plan / peak) | warm-up s |\n"
+    "|---|---:|---:|---:|---|---:|---|---:|---:|---:|"
+)
+
+
+def summary(folders: list[Path]) -> str:
+    """One table of the results.json of several runs of this script (the eager and the compiled
+    phases of bench/gpu_session.sh): every variant measured, each against its baseline of the same
+    compile, whichever run measured it; a variant with no result is named as missing."""
+    results = []
+    for folder in folders:
+        path = folder / "results.json"
+        if path.is_file():
+            results += json.loads(path.read_text())
+    by_name = {r["variant"]: r for r in results}
+    lines = [HEADER, *(row(r, by_name) for r in by_name.values())]
+    missing = [name for folder in folders for name in _planned(folder) if name not in by_name]
+    if missing:
+        lines.append(f"\nNo figure (failed or cut short): {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+def _planned(folder: Path) -> list[str]:
+    path = folder / "planned.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -417,13 +465,23 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="the eager variants only")
     parser.add_argument("--compiled", action="store_true", help="the compiled variants only")
     parser.add_argument("--out-dir", type=Path, help="results.json and one profile file per variant here")
+    parser.add_argument(
+        "--variant-timeout", type=float, default=None, help="seconds a variant may take (default: no limit)"
+    )
+    parser.add_argument(
+        "--summary", nargs="+", type=Path, metavar="DIR", help="print one table of these --out-dir folders"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        return
     shape = SMOKE if args.smoke else GPT2_SMALL
     steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
     batch_size = 2 if args.smoke else args.batch_size
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "results.json").unlink(missing_ok=True)
 
     if args.worker:
         result = worker(args.worker, shape, batch_size, steps, warmup, args.out_dir)
@@ -433,6 +491,8 @@ def main() -> None:
     names = EAGER if args.eager else COMPILED if args.compiled else args.variants
     if not torch.cuda.is_available():
         names = [n for n in names if VARIANTS[n].attention is None]  # the backends are CUDA's
+    if args.out_dir:
+        (args.out_dir / "planned.json").write_text(json.dumps(names) + "\n")
     # Every figure is written as soon as it is measured (a session may be cut short): a row of the
     # markdown table on stdout, and the JSON of every result so far in --out-dir.
     print(
@@ -443,11 +503,7 @@ def main() -> None:
         f"backward / clip / optimizer (the baseline compiled whole: forward and loss as one). "
         "Compiler: graph breaks / recompiles after warm-up.\n"
     )
-    print(
-        "| variant | tokens/s | vs native (same compile) | MFU | regions ms | kernels per step "
-        "| compiler | peak MiB | planned MiB (plan / peak) | warm-up s |"
-    )
-    print("|---|---:|---:|---:|---|---:|---|---:|---:|---:|", flush=True)
+    print(HEADER, flush=True)
     results, by_name = [], {}
     for name in names:
         cmd = [sys.executable, __file__, "--worker", name, "--batch-size", str(batch_size)]
@@ -455,9 +511,15 @@ def main() -> None:
         cmd += (["--smoke"] if args.smoke else []) + (
             ["--out-dir", str(args.out_dir)] if args.out_dir else []
         )
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.variant_timeout)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            print(failure_row(name, None, stderr, args.variant_timeout), flush=True)
+            print(f"{name}: timed out\n{stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
         if proc.returncode != 0:
-            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1][:200]} |", flush=True)
+            print(failure_row(name, proc.returncode, proc.stderr), flush=True)
             print(f"{name}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])

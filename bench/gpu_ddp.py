@@ -68,7 +68,8 @@ def make_variant(name: str, shape: dict, device: torch.device):
         optimizer = ShardedOptimizer(model.parameters(), AdamW, bucket_size_mb=BUCKET_MB, lr=3e-4)
         model = DDP(model, BUCKET_MB, shards=optimizer.buckets)
     else:
-        model = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        # gradient_as_bucket_view: gradients live in the buckets, never copied (as tinylm's DDP does)
+        model = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
         if name.startswith("B"):
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused)
         else:

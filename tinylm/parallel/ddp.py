@@ -86,20 +86,23 @@ class _Bucket:
             view.copy_(p.grad)
             p.grad = view
 
-    def start(self, world_size: int) -> None:
-        """Zero the gradients whose hook did not run on this rank, then start the reduction."""
+    def start(self, op: dist.ReduceOp) -> None:
+        """Zero the gradients whose hook did not run on this rank, then start the reduction (`op`:
+        SUM, or AVG where the backend averages in the collective)."""
         for i, got in enumerate(self.got):
             if not got:
                 self.views[i].zero_()
         if self.slot is None:
-            self.handle = dist.all_reduce(self.buffer, async_op=True)
+            self.handle = dist.all_reduce(self.buffer, op=op, async_op=True)
         else:
-            self.handle = reduce_scatter(self.buffer[self.slot], self.buffer, async_op=True)
+            self.handle = reduce_scatter(self.buffer[self.slot], self.buffer, op=op, async_op=True)
 
-    def finish(self, world_size: int) -> None:
-        """Wait for the reduction and average what this rank holds (all, or its slot)."""
+    def finish(self, divide_by: int) -> None:
+        """Wait for the reduction and divide what this rank holds (all, or its slot) by `divide_by`
+        (1: the collective averaged already)."""
         self.handle.wait()
-        self.buffer.div_(world_size) if self.slot is None else self.buffer[self.slot].div_(world_size)
+        if divide_by != 1:
+            self.buffer.div_(divide_by) if self.slot is None else self.buffer[self.slot].div_(divide_by)
 
     def reset(self) -> None:
         self.got = [False] * len(self.params)
@@ -137,6 +140,10 @@ class DDP(nn.Module):
         self._shards: list[ShardBucket] = []
         if self.world_size == 1:
             return
+        # NCCL averages inside the collective (one pass less over every gradient); gloo has no
+        # AVG, so the CPU sums and divides, as it always did (its bits unchanged).
+        self._average_in_collective = dist.get_backend() == "nccl"
+        self._reduce_op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
 
         self._broadcast_from_rank0()
         # module.parameters() yields each parameter once even when it is tied to several modules.
@@ -229,7 +236,7 @@ class DDP(nn.Module):
             bucket = self._buckets[self._next_bucket]
             if bucket.num_ready < len(bucket.params):
                 return
-            bucket.start(self.world_size)
+            bucket.start(self._reduce_op)
             self._next_bucket += 1
         if self._flags_handle is None:
             got = [float(got) for bucket in self._buckets for got in bucket.got]
@@ -251,7 +258,7 @@ class DDP(nn.Module):
             bucket.num_ready = len(bucket.params)
         self._start_ready_buckets()
         for bucket in self._buckets:
-            bucket.finish(self.world_size)
+            bucket.finish(1 if self._average_in_collective else self.world_size)
         self._flags_handle.wait()
         # When this rank produced every gradient, every count is at least 1 and need not be read:
         # no device-to-host copy, no host sync, in the usual step. Otherwise one copy for all.

@@ -193,7 +193,16 @@ def _run_rank(fn, args, rank, local_rank, world_size, backend, threads_per_rank,
     # also use it for waits that are not collectives (see tinylm/pretrain/heartbeat.py).
     store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # The device, given on CUDA, binds NCCL's communicator to it at once (no guess from the
+    # current device, no lazy init in the first collective).
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     ctx = RankContext(
         rank, local_rank, world_size, device, backend, dist.PrefixStore("tinylm/", store), timeout_s
     )

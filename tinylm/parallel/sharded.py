@@ -64,11 +64,13 @@ from tinylm.nn_utils import gradient_clip, scale_to_norm, squared_norms
 from tinylm.parallel.shard_layout import BucketLayout, ParamSpec, Piece, plan_shards
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-    """Reduce (sum) `input` over the ranks and give rank r its r-th equal part in `output`."""
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+):
+    """Reduce `input` over the ranks by `op` and give rank r its r-th equal part in `output`."""
     # torch 2.13 renamed the flat collectives; older versions have only the old names.
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return collective(output, input, async_op=async_op)
+    return collective(output, input, op=op, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
