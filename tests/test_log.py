@@ -36,7 +36,8 @@ def test_rank_0_logs_the_shape_and_the_mean_loss_since_the_last_line(tmp_path, c
     losses = [4.0, 3.0, 2.5, 1.25]
     for step, loss in enumerate(losses, start=1):
         log.step_begins()
-        log.step_done(step, loss, 1.0, {"matrices": 0.01, "gains": 0.01}, LossScaler(False), False)
+        log.step_done(step, LossScaler(False), False)
+        log.values(step, loss, 1.0, {"matrices": 0.01, "gains": 0.01}, LossScaler(False))
     log.finish()
     lines = capsys.readouterr().err.splitlines()
     assert all(line.startswith("[pretrain lr3e-3] ") for line in lines)
@@ -51,7 +52,8 @@ def test_rank_0_logs_the_shape_and_the_mean_loss_since_the_last_line(tmp_path, c
 
 def test_other_ranks_print_nothing(tmp_path, capsys):
     log = make_log(1, tmp_path, True, max_iters=2, log_interval=1)
-    log.step_done(1, 3.0, 1.0, {"matrices": 0.01}, LossScaler(False), False)
+    log.step_done(1, LossScaler(False), False)
+    log.values(1, 3.0, 1.0, {"matrices": 0.01}, LossScaler(False))
     log.validation(1, 2.0)
     log.finish()
     log_line(False, "not printed")
@@ -65,7 +67,8 @@ def test_tensorboard_gets_the_loss_every_groups_learning_rate_the_norm_and_valid
     log = make_log(0, tmp_path, True, max_iters=3, log_interval=1)
     for step in (1, 2, 3):
         lrs = {"matrices": 0.1 * step, "gains": 0.01 * step}
-        log.step_done(step, 5.0 - step, 0.5 * step, lrs, LossScaler(False), False)
+        log.step_done(step, LossScaler(False), False)
+        log.values(step, 5.0 - step, 0.5 * step, lrs, LossScaler(False))
     log.validation(3, 1.5)
     log.finish()
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -85,7 +88,8 @@ def test_a_float16_overflow_is_said_with_the_new_scale(tmp_path, capsys):
     scaler = LossScaler(True)
     log = make_log(0, tmp_path, False, max_iters=2, log_interval=1)
     scaler.update(True)
-    log.step_done(1, 3.0, float("inf"), {"matrices": 0.01}, scaler, True)
+    log.step_done(1, scaler, True)
+    log.values(1, 3.0, float("inf"), {"matrices": 0.01}, scaler)
     err = capsys.readouterr().err
     assert f"step 1: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}" in err
     assert f"loss scale {scaler.scale:g}" in err

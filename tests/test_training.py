@@ -8,6 +8,7 @@ import platform
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -159,14 +160,49 @@ def test_auto_dtype_follows_the_cpu_and_an_explicit_bfloat16_without_it_says_its
 
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_before_the_update(tiny_data, tmp_path):
+def test_non_finite_loss_stops_before_any_commit_of_the_weights_it_touched(tiny_data, tmp_path):
     config = write_tiny_config(tmp_path / "config.yaml")
     state = tmp_path / "state"
     proc = pretrain(tiny_data, config, state, fault="rank=0,step=6,action=nan")
     assert proc.returncode == 1
-    assert "step 7: loss nan" in proc.stderr and "not finite" in proc.stderr
+    assert "step 7: loss nan" in proc.stderr and "not finite; stopped at step" in proc.stderr
     assert committed_steps(state) == [4]
     assert torch.isfinite(final_payload(state)["model"]["lm_head.weight"]).all()
+
+
+def test_losses_are_read_on_the_host_only_before_a_log_line_a_validation_or_a_commit(tiny_data, tmp_path):
+    """The steps between cost no host sync: the loop reads the losses and norms since the last read
+    at each log line, validation and commit (and the end), each step once; TensorBoard and the log
+    still get every step's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = {"world_size": 1, "max_iters": 12, "log_interval": 5, "val_interval": 6, "checkpoint_interval": 8}
+    config = write_tiny_config(tmp_path / "config.yaml", train=train)
+    state = tmp_path / "state"
+    script = textwrap.dedent(f"""
+        import json
+        from tinylm.config import load_config
+        from tinylm.pretrain import loop, train
+        reads, real = [], loop.read_values
+        def counting(unread):
+            reads.append([step for step, _, _ in unread])
+            return real(unread)
+        loop.read_values = counting
+        data = {json.dumps({k: str(v) for k, v in tiny_data.items()})}
+        train(load_config({str(config)!r}), data["tokenizer"], data["train"], data["valid"], {str(state)!r},
+              {str(state) + "_ckpt"!r}, {str(tmp_path / "tb")!r})
+        print(json.dumps(reads))
+    """)
+    command = [sys.executable, "-c", script]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    reads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert reads == [[1, 2, 3, 4, 5], [6], [7, 8], [9, 10], [11, 12]]
+    assert sorted(logged_losses(proc.stderr)) == [5, 10, 12]
+    (events_dir,) = (tmp_path / "tb").iterdir()
+    events = EventAccumulator(str(events_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss_train")] == list(range(1, 13))
 
 
 @pytest.mark.slow
@@ -444,7 +480,8 @@ def test_the_first_progress_line_comes_within_seconds_then_one_a_minute(monkeypa
     for step in range(1, 101):
         meter_log.step_begins()
         clock[0] += 2.0
-        meter_log.step_done(step, 3.0, 1.0, {"matrices": 1e-3}, LossScaler(False), False)
+        meter_log.step_done(step, LossScaler(False), False)
+        meter_log.values(step, 3.0, 1.0, {"matrices": 1e-3}, LossScaler(False))
     lines = capsys.readouterr().err.splitlines()
     steps = [int(re.search(r"step (\d+)/100", line).group(1)) for line in lines]
     assert steps == [3, 33, 50, 80, 100], lines
@@ -474,8 +511,11 @@ def test_the_log_has_a_header_mean_losses_a_summary_and_the_run_name(tiny_data, 
     assert lines and all(line.startswith("[pretrain wide-2] ") for line in lines), proc.stderr
     assert "\r" not in proc.stderr
     first = next(i for i, line in enumerate(lines) if "] model: " in line)
-    assert lines[0] == "[pretrain wide-2] train.dtype float32"  # what the forward pass runs in, first
-    assert "memory plan per rank" in lines[1] and any(" total " in line for line in lines[:first])
+    assert (
+        lines[0] == f"[pretrain wide-2] config: {config} over config/config.yaml over the built-in defaults"
+    )
+    assert lines[1] == "[pretrain wide-2] train.dtype float32"  # what the forward pass runs in, first
+    assert "memory plan per rank" in lines[2] and any(" total " in line for line in lines[:first])
     header = "\n".join(lines[first : first + 2])
     for words in [
         "parameters (vocab 300, d_model 32",

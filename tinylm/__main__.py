@@ -46,8 +46,9 @@ def _config(args: argparse.Namespace) -> Config:
     args.weight_sections = tuple(
         s for s in ("model", "tokenizer", "train") if args.config is None or s in given
     )
-    if args.config is not None and args.stage != "config":
-        print(f"[{args.stage}] config: {describe_layers(layers)}", file=sys.stderr, flush=True)
+    if args.config is not None:
+        label = " ".join(filter(None, [args.stage, getattr(args, "run_name", None)]))
+        print(f"[{label}] config: {describe_layers(layers)}", file=sys.stderr, flush=True)
     return cfg
 
 

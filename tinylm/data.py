@@ -7,7 +7,7 @@ memory costs only the pages that batches actually touch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -117,7 +117,10 @@ def micro_batch_starts(
 @dataclass
 class TrainBatches:
     """One rank's micro-batches: update `step` (1-based) trains on the global batch that
-    `global_batch_starts` draws for step - 1, of which this rank takes its `grad_accum_steps` slices."""
+    `global_batch_starts` draws for step - 1, of which this rank takes its `grad_accum_steps` slices.
+
+    `prefetch(step)` makes a step's first micro-batch ahead of time (on CUDA its copy to the device
+    then overlaps the work already queued); `get` hands it out once, and makes any other."""
 
     tokens: np.ndarray
     seed: int
@@ -127,9 +130,18 @@ class TrainBatches:
     world_size: int
     grad_accum_steps: int
     device: torch.device
+    _ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def prefetch(self, step: int) -> None:
+        """Make the first micro-batch of update `step` now, for `get` to hand out."""
+        self._ahead[step, 0] = self._make(step, 0)
 
     def get(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of micro-batch `micro_step` of update `step`, each int64 [B, T] on the device."""
+        ahead = self._ahead.pop((step, micro_step), None)
+        return ahead if ahead is not None else self._make(step, micro_step)
+
+    def _make(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         num_starts = num_window_starts(self.tokens, self.context_length)
         starts = global_batch_starts(self.seed, step - 1, self.batch_size, num_starts)
         mine = micro_batch_starts(starts, self.rank, micro_step, self.world_size, self.grad_accum_steps)

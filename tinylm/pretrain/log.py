@@ -104,19 +104,38 @@ class TrainingLog:
     def step_begins(self) -> None:
         self._step_started = time.perf_counter()
 
-    def step_done(self, step: int, loss: float, grad_norm: float, lrs: dict, scaler, overflow: bool) -> None:
-        """Account for `step`: its loss and gradient norm, {group name: lr}, the loss scaler, and
-        whether float16 gradients overflowed (the update was skipped)."""
+    def _logs(self, step: int) -> bool:
+        return step % self.train.log_interval == 0 or step == self.train.max_iters
+
+    def step_done(self, step: int, scaler, overflow: bool) -> None:
+        """Account for the time of `step`, given the loss scaler and whether float16 gradients
+        overflowed (the update was skipped); its loss comes later, with `values`."""
         train = self.train
         self.meter.add_step(time.perf_counter() - self._step_started)
-        self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
         if step == self.start + 1 and train.compile:
             self.print(
                 f"torch.compile: the first step took {self.meter.last_step_s:.1f} s (compilation included)"
             )
             self.meter.restart()
             self.clock.restart()  # the first timed line comes after compiled steps
-        if step % train.log_interval == 0 or step == train.max_iters:
+        if not self._logs(step) and self.clock.due():
+            # Between the lines by steps: the speed and the time left, so that a slow machine is
+            # known within seconds (the loss keeps its log_interval windows).
+            self.print(f"step {step}/{train.max_iters} {self.meter.report(train.max_iters - step)}")
+            self.clock.printed()
+        if overflow:
+            self.print(
+                f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}"
+            )
+        self._mark = time.perf_counter()
+
+    def values(self, step: int, loss: float, grad_norm: float, lrs: dict, scaler) -> None:
+        """Account for the loss and gradient norm of `step` (read after its time, see
+        tinylm/pretrain/loop.py) at the learning rates {group name: lr}: the log line of a
+        log_interval step, and TensorBoard's scalars."""
+        train = self.train
+        self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
+        if self._logs(step):
             mean_of = f"mean of {self.loss_steps} steps" if self.loss_steps > 1 else "1 step"
             lr = next(iter(lrs.values()))  # the first group's ("matrices")
             mean_loss = self.loss_sum / self.loss_steps
@@ -127,21 +146,12 @@ class TrainingLog:
             )
             self.loss_sum, self.loss_steps = 0.0, 0
             self.clock.printed()
-        elif self.clock.due():
-            # Between the lines by steps: the speed and the time left, so that a slow machine is
-            # known within seconds (the loss keeps its log_interval windows).
-            self.print(f"step {step}/{train.max_iters} {self.meter.report(train.max_iters - step)}")
-            self.clock.printed()
-        if overflow:
-            self.print(
-                f"step {step}: float16 gradients overflowed; update skipped, loss scale now {scaler.scale:g}"
-            )
+            self._mark = time.perf_counter()
         if self.writer is not None:
             self.writer.add_scalar("loss_train", loss, step)
             for name, group_lr in lrs.items():
                 self.writer.add_scalar(f"lr/{name}", group_lr, step)
             self.writer.add_scalar("grad_norm", grad_norm, step)
-        self._mark = time.perf_counter()
 
     def validation(self, step: int, val_loss: float) -> None:
         """Log the validation estimate of `step`, computed since the step (or the last line) ended."""

@@ -16,8 +16,11 @@ One update (step s, 1-based), on every rank r of world_size, with A = train.grad
                 next forward
 
 So the same config at any world size or accumulation trains on the same tokens and, up to float
-rounding, to the same weights; a run may be resumed at another world size. Each step costs one
-host sync (the loss and gradient norm, read together for the log and the non-finite check).
+rounding, to the same weights; a run may be resumed at another world size. The losses and gradient
+norms stay on the device until a log line, a validation estimate or a commit needs them: then one
+host sync reads all of them since the last read, for the log, TensorBoard and the non-finite
+check (float16 reads each step's norm before its update). The next step's batch is copied to the
+device while the current step's gradients are reduced.
 Rank 0 logs (tinylm/pretrain/log.py) and runs validation estimates; every rank joins each commit
 of a checkpoint (tinylm/pretrain/state.py).
 """
@@ -102,6 +105,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     )
 
     model.train()
+    unread: list[tuple[int, torch.Tensor, dict]] = []  # (step, [loss, grad norm] on the device, lrs)
     for step in range(start + 1, train.max_iters + 1):
         log.step_begins()
         lrs = set_learning_rates(optimizer, step, train)  # {group name: lr} of update `step`
@@ -114,25 +118,34 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
                     micro_loss = ddp(x, targets=y) / accum  # float32; summed: the mean's gradient
                 (micro_loss * scaler.scale).backward()
             loss += micro_loss.detach()
+        if step < train.max_iters:
+            batches.prefetch(step + 1)  # its copy to the device overlaps this step's work
         ddp.finish_gradient_sync()
         if ctx.world_size > 1:
             dist.all_reduce(loss)
             loss /= ctx.world_size
         scaler.unscale_(held_gradients(optimizer))
         grad_norm = clip_grad_norm_(optimizer, model.parameters(), train.grad_clip)
-        # The step's one host sync. Every rank holds the same loss and norm, so all decide alike.
-        loss_value, norm_value = torch.stack([loss, grad_norm.to(device)]).tolist()
-        overflow = scaler.enabled and not math.isfinite(norm_value)  # float16: skip, lower the scale
-        if not math.isfinite(loss_value) or not (math.isfinite(norm_value) or overflow):
-            committed = (committed_steps(spec.state_dir) or [0])[-1]
-            raise NonFiniteLossError(
-                f"step {step}: loss {loss_value} / gradient norm {norm_value} is not finite; stopped "
-                f"before the update (last committed step: {committed})"
-            )
+        unread.append((step, torch.stack([loss, grad_norm.to(device)]), lrs))
+        overflow = False
+        if scaler.enabled:  # float16: gradients that overflowed skip the update and lower the scale
+            overflow = not math.isfinite(grad_norm.item())
         if not overflow:
             optimizer.step()
         scaler.update(overflow)
-        log.step_done(step, loss_value, norm_value, lrs, scaler, overflow)
+        log.step_done(step, scaler, overflow)
+        if scaler.enabled or reads_values(step, train):
+            # One host sync for the steps since the last read. Every rank holds the same losses and
+            # norms, so all stop alike; a read comes before every validation and commit, so weights
+            # a non-finite step touched are never evaluated or committed.
+            for unread_step, (loss_value, norm_value), unread_lrs in read_values(unread):
+                if not math.isfinite(loss_value) or not (math.isfinite(norm_value) or scaler.enabled):
+                    committed = (committed_steps(spec.state_dir) or [0])[-1]
+                    raise NonFiniteLossError(
+                        f"step {unread_step}: loss {loss_value} / gradient norm {norm_value} is not "
+                        f"finite; stopped at step {step} (last committed step: {committed})"
+                    )
+                log.values(unread_step, loss_value, norm_value, unread_lrs, scaler)
 
         if ctx.is_main and (step % train.val_interval == 0 or step == train.max_iters):
             generator = batch_generator(train.data_order_seed, step, stream=1)
@@ -157,6 +170,21 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
             )
             log.committed(step)
     log.finish()
+
+
+def reads_values(step: int, train) -> bool:
+    """Whether the loop reads the losses and norms on the host after `step`: before a log line, a
+    validation estimate, a commit and the end; the steps between cost no host sync."""
+    intervals = (train.log_interval, train.val_interval, train.checkpoint_interval)
+    return step == train.max_iters or any(step % interval == 0 for interval in intervals)
+
+
+def read_values(unread: list[tuple[int, torch.Tensor, dict]]) -> list[tuple[int, list[float], dict]]:
+    """The unread steps with their [loss, grad norm] on the host, in one copy; `unread` emptied."""
+    values = torch.stack([stats for _, stats, _ in unread]).tolist()
+    read = [(step, pair, lrs) for (step, _, lrs), pair in zip(unread, values, strict=True)]
+    unread.clear()
+    return read
 
 
 def compile_model(model: Transformer, world_size: int, device: torch.device) -> None:
