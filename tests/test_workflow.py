@@ -219,6 +219,27 @@ def test_editing_a_key_reruns_only_the_stages_that_depend_on_it(two_runs, tmp_pa
         config_path.write_text(yaml.safe_dump(cfg))
 
 
+@pytest.mark.slow
+def test_a_rerun_names_the_keys_that_changed_in_the_stage_log(two_runs, tmp_path):
+    """Snakemake's rerun reason names two config files; the stage's log names the keys."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    config_path = workdir / "config" / "config.yaml"
+    cfg = yaml.safe_load(config_path.read_text())
+    before = cfg["generate"]["temperature"]
+    cfg["generate"]["temperature"] = 0.5
+    cfg["generate"]["seed"] = cfg["generate"]["seed"] + 1
+    config_path.write_text(yaml.safe_dump(cfg))
+    snakemake(workdir, "results/samples.txt")
+    log = (workdir / "results" / "logs" / "generate.log").read_text()
+    assert (
+        f"[generate] config since results/samples.txt was made: generate.seed: {cfg['generate']['seed'] - 1} "
+        f"-> {cfg['generate']['seed']}; generate.temperature: {before} -> 0.5"
+    ) in log, log
+    snakemake(workdir, "results/samples.txt", "-R", "generate")  # the same config again: nothing to say
+    assert "config since" not in (workdir / "results" / "logs" / "generate.log").read_text()
+
+
 def test_snakemake_lint_is_clean(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     proc = snakemake(workdir, "--lint", check=False)

@@ -655,11 +655,32 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
+def _made_output(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(the config file of --config-json @FILE, the stage's output path), when both are given: what
+    `tinylm.config.changes` records, so that a rerun names the keys that changed."""
+    config_json = getattr(args, "config_json", None)
+    if not config_json or not config_json.startswith("@"):
+        return None
+    for name in ("output", "output_dir", "train_out", "checkpoint_dir"):
+        value = getattr(args, name, None)
+        if value:
+            return config_json[1:], str(value[0] if isinstance(value, list) else value)
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     """The stage of `args`, its errors as one line each; the exit status."""
+    from tinylm.config.changes import changes_since_made, record_made
+
     try:
         cfg = _config(args) if getattr(args, "reads_config", True) else None
+        made = _made_output(args)
+        changes = changes_since_made(*made) if made else []
+        if changes:
+            print(f"[{args.stage}] config since {made[1]} was made: {'; '.join(changes)}", file=sys.stderr)
         args.func(cfg, args)
+        if made:
+            record_made(*made)
     except Stopped:
         return 128 + 15  # SIGTERM
     except KeyboardInterrupt:
