@@ -557,7 +557,7 @@ def test_a_sweep_trains_each_run_on_the_shared_data_and_compares_them(extended_r
 DOC_NAMES = ("stages", "model", "experiments", "corpora", "gpus", "reproducibility")
 README = ROOT / "README.md"
 # The user's documents, in reading order: their commands run in this order.
-DOCS = [README, *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
+DOCS = [README, *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES), ROOT / "config" / "README.md"]
 # The programs a README command may start with; a code block whose first line starts otherwise shows output.
 PROGRAMS = ("pip ", "snakemake ", "python ", "tensorboard ")
 
@@ -619,17 +619,20 @@ def test_every_user_document_is_among_those_whose_commands_run():
 
 
 def test_the_examples_differ_from_the_defaults_they_vary():
-    """Every run of a `runs:` example in the README, the docs and config/README.md sets each key to a
-    value other than the default config's (a run equal to the default would retrain it under a name)."""
-    from tinylm.config import from_dict
+    """Every `runs:` example in the README, the docs and config/README.md is a valid sweep over the
+    shipped config, and each run sets each key to a value other than the default config's (a run
+    equal to the default would retrain it under a name)."""
+    from tinylm.config import from_dict, run_configs
 
-    default = from_dict(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
+    shipped = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    default = from_dict(shipped)
     examples = 0
-    for path in [*DOCS, ROOT / "config" / "README.md"]:
+    for path in DOCS:
         for info, lines in code_blocks(path):
             shown = yaml.safe_load("\n".join(lines)) if info == "yaml" else None
             if not isinstance(shown, dict) or "runs" not in shown:
                 continue
+            assert set(run_configs({**shipped, **shown})) == {"default", *shown["runs"]} or "seeds" in shown
             for run, overrides in shown["runs"].items():
                 for key, value in overrides.items():
                     section, name = key.split(".")
