@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from tinylm.flops import flops_per_token, matmul_weights
 from tinylm.keys import ConfigError, key
-
-if TYPE_CHECKING:
-    from tinylm.config.sections import Config
 
 LADDER_KEY = "ladder"
 SHAPE_KEYS = ("d_model", "num_layers", "num_heads", "d_ff")
@@ -165,16 +162,16 @@ def shape_of(entry: Any, ladder: LadderConfig, where: str) -> tuple[str, dict[st
     return name, dict(d_model=d_model, num_layers=num_layers, num_heads=num_heads, d_ff=d_ff)
 
 
-def ladder_plan(cfg: Config) -> LadderPlan:
-    """The runs of `cfg.ladder` (none when it has no budgets) and the lines of what it leaves out.
+def ladder_plan(ladder: LadderConfig, batch_size: int, context_length: int, vocab_size: int) -> LadderPlan:
+    """The runs of `ladder` (none when it has no budgets) and the lines of what it leaves out.
 
-    `cfg` is the main config with `ladder.overrides` applied (tinylm/config/runs.py): the shape,
-    steps and warmup of each run come from here, everything else from `cfg`. Refused with one line
+    The other arguments are the main config's with `ladder.overrides` applied
+    (tinylm/config/runs.py): the shape, steps and warmup of each run come from here, everything
+    else from that config. Refused with one line
     naming the key: fewer than 3 budgets (4 with `holdout`) or shapes, a budget given twice, a shape
     given twice or whose rule gives a non-integer head count, and a budget that fewer than 3 shapes
     can spend.
     """
-    ladder, train = cfg.ladder, cfg.train
     if not ladder.budgets:
         return LadderPlan([], [])
     least = MIN_POINTS + ladder.holdout
@@ -201,16 +198,12 @@ def ladder_plan(cfg: Config) -> LadderPlan:
         if name in shapes:
             raise ConfigError(f"ladder.shapes[{i}]: {name} is given twice")
         shapes[name] = shape
-    tokens_per_step = train.batch_size * cfg.model.context_length
+    tokens_per_step = batch_size * context_length
     runs, left_out = [], []
     for budget in sorted(ladder.budgets):
         spending = []
         for shape_name, shape in shapes.items():
-            sizes = {
-                **shape,
-                "context_length": cfg.model.context_length,
-                "vocab_size": cfg.tokenizer.vocab_size,
-            }
+            sizes = {**shape, "context_length": context_length, "vocab_size": vocab_size}
             per_step = flops_per_token(sizes) * tokens_per_step
             steps = round(budget / per_step)
             run = f"C{budget_label(budget)}_{shape_name}"

@@ -125,7 +125,9 @@ def ladder_of(raw: Any) -> tuple[LadderPlan, dict[str, Any]]:
     for dotted in shared:
         if str(dotted).startswith(f"{LADDER_KEY}."):
             raise ConfigError(f"ladder.overrides: {dotted}: a ladder run cannot set the ladder's own keys")
-    return ladder_plan(_apply_overrides(main, "ladder.overrides", shared)), shared
+    cfg = _apply_overrides(main, "ladder.overrides", shared)
+    plan = ladder_plan(cfg.ladder, cfg.train.batch_size, cfg.model.context_length, cfg.tokenizer.vocab_size)
+    return plan, shared
 
 
 def _apply_overrides(raw: dict, where: str, overrides: dict[str, Any]) -> Config:
