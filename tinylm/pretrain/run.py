@@ -177,35 +177,11 @@ def train(
     """
     set_run_name(run_name)
     is_rank0 = is_global_rank0()
-    tokenizer = Tokenizer.load(tokenizer_path)
-    vocab_size = len(tokenizer.vocab)
-    if vocab_size != cfg.tokenizer.vocab_size:
-        log_line(
-            is_rank0,
-            f"{tokenizer_path} has {vocab_size} tokens, tokenizer.vocab_size is {cfg.tokenizer.vocab_size}: "
-            f"the model takes the file's {vocab_size}",
-        )
-    context_length = cfg.model.context_length
-    for path in (train_tokens, valid_tokens):  # dtype, shape and largest id (rank 0: one pass), length
-        num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
-        if num_tokens < context_length + 1:
-            raise ValueError(
-                f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
-                f"(model.context_length + 1)"
-            )
-
+    vocab_size = check_inputs(cfg, tokenizer_path, train_tokens, valid_tokens, is_rank0)
     state_dir = Path(state_dir)
     train = cfg.train
     model_config = model_config_of(cfg, vocab_size)
-    identity = Manifest(  # the run's identity and how it executes: the start of every manifest
-        seed=train.seed,
-        structural_hash=structural_hash(model_config),
-        tokenizer_sha256=sha256_file(tokenizer_path),
-        config=weight_config(cfg),
-        tokenizer_path=str(tokenizer_path),
-        world_size=train.world_size,
-        threads_per_rank=train.threads_per_rank,
-    )
+    identity = run_identity(cfg, model_config, tokenizer_path)
     backend, note = resolve_backend(train.backend, train.world_size)
     if note:
         log_line(is_rank0, note)
@@ -215,11 +191,7 @@ def train(
     if tensorboard_dir is not None:  # each run its own folder, so that runs' curves never interleave
         tensorboard_dir = Path(tensorboard_dir) / "-".join(filter(None, [run_name, run_hash(cfg)[:8]]))
     with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
-        if is_rank0:
-            newest = newest_intact_step(state_dir, lambda line: log_line(True, line))
-        else:  # global rank 0 checks and sets aside corrupt steps, before the process group starts
-            steps = committed_steps(state_dir)
-            newest = (steps[-1], step_manifest(state_dir, steps[-1])) if steps else None
+        newest = newest_step(state_dir, is_rank0)
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
         manifest = newest[1] if newest else Manifest()
         if newest:
@@ -250,17 +222,72 @@ def train(
                 threads_per_rank=train.threads_per_rank,
                 timeout_s=train.timeout_s,
             )
-        if not is_rank0:
-            return []
-        published = publish(state_dir, checkpoint_dir)
-        steps = [p.stem.removeprefix("step_") for p in published]
-        listed = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-2:]])
+        return publish_run(state_dir, checkpoint_dir) if is_rank0 else []
+
+
+def check_inputs(
+    cfg: Config,
+    tokenizer_path: str | os.PathLike,
+    train_tokens: str | os.PathLike,
+    valid_tokens: str | os.PathLike,
+    is_rank0: bool,
+) -> int:
+    """The vocabulary size of the tokenizer file (said when it is not tokenizer.vocab_size), after
+    checking that both token files hold ids below it (rank 0: one pass) and a window of
+    context_length + 1 tokens; errors name the file."""
+    vocab_size = len(Tokenizer.load(tokenizer_path).vocab)
+    if vocab_size != cfg.tokenizer.vocab_size:
         log_line(
-            True,
-            f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} "
-            f"(resume state: {state_dir})",
+            is_rank0,
+            f"{tokenizer_path} has {vocab_size} tokens, tokenizer.vocab_size is {cfg.tokenizer.vocab_size}: "
+            f"the model takes the file's {vocab_size}",
         )
-        return published
+    context_length = cfg.model.context_length
+    for path in (train_tokens, valid_tokens):
+        num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
+        if num_tokens < context_length + 1:
+            raise ValueError(
+                f"{path}: holds {num_tokens} tokens, fewer than the {context_length + 1} needed "
+                f"(model.context_length + 1)"
+            )
+    return vocab_size
+
+
+def run_identity(cfg: Config, model_config: dict[str, Any], tokenizer_path: str | os.PathLike) -> Manifest:
+    """The run's identity and how it executes: the start of every manifest it writes."""
+    train = cfg.train
+    return Manifest(
+        seed=train.seed,
+        structural_hash=structural_hash(model_config),
+        tokenizer_sha256=sha256_file(tokenizer_path),
+        config=weight_config(cfg),
+        tokenizer_path=str(tokenizer_path),
+        world_size=train.world_size,
+        threads_per_rank=train.threads_per_rank,
+    )
+
+
+def newest_step(state_dir: Path, is_rank0: bool) -> tuple[int, Manifest] | None:
+    """(step, manifest) of the newest committed step to resume from, or None. Global rank 0 checks
+    every byte and sets corrupt newer steps aside (said), before the process group starts; the
+    others read what it left."""
+    if is_rank0:
+        return newest_intact_step(state_dir, lambda line: log_line(True, line))
+    steps = committed_steps(state_dir)
+    return (steps[-1], step_manifest(state_dir, steps[-1])) if steps else None
+
+
+def publish_run(state_dir: Path, checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """Publish the committed steps into `checkpoint_dir`, said in one line; their paths."""
+    published = publish(state_dir, checkpoint_dir)
+    steps = [p.stem.removeprefix("step_") for p in published]
+    listed = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-2:]])
+    log_line(
+        True,
+        f"{len(steps)} checkpoints (steps {listed}) published to {checkpoint_dir} "
+        f"(resume state: {state_dir})",
+    )
+    return published
 
 
 def choose_dtype(cfg: Config, device: PlanDevice, is_rank0: bool) -> str:
