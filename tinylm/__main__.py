@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.config import RESULTS, Config, ConfigError, from_dict, run_state_dir
@@ -21,6 +23,65 @@ from tinylm.io import exit_now, stderr_copied_to
 
 SPLITS = ("train", "valid")
 DEFAULT_TOKENIZER = f"{RESULTS}/tokenizer/tokenizer.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A subcommand: its name, what it does (its help), the command, and its own arguments beside
+    the config's (`--config` or `--config-json`, unless `reads_config` is False)."""
+
+    name: str
+    help: str
+    command: Callable[[Config | None, argparse.Namespace], None]
+    arguments: Callable[[argparse.ArgumentParser], None]
+    reads_config: bool = True
+
+
+STAGES: list[Stage] = []  # in the order `--help` lists them: the flow's
+
+
+def stage(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None], reads_config=True):
+    """Declare the decorated function as the command of stage `name` (see `Stage`)."""
+
+    def register(command):
+        STAGES.append(Stage(name, help, command, arguments, reads_config))
+        return command
+
+    return register
+
+
+def config_arguments(p: argparse.ArgumentParser) -> None:
+    """--config FILE or --config-json: the config every stage that reads one takes."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help=f"a YAML config file, merged onto {PROJECT_CONFIG} as Snakemake's --configfile is "
+        f"(default: {PROJECT_CONFIG} alone; `python -m tinylm config --show FILE` prints the result)",
+    )
+    g.add_argument(
+        "--config-json",
+        help="the config (any of its sections) as a JSON string, or @FILE to read that JSON from FILE "
+        "(what the Snakemake rules give)",
+    )
+
+
+def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """--tokenizer, --checkpoint-dir and --state-dir: what evaluate, generate, sample and export read."""
+    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help=f"published checkpoints (default: {RESULTS}/checkpoints, or "
+        f"{RESULTS}/state/<run hash>/published when the run the config describes has newer committed "
+        "steps there: it trains or was stopped)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"the run's resume state folder (default {RESULTS}/state/<hash of the run's config>)",
+    )
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -110,12 +171,24 @@ def _say_threads(stage: str, threads: int) -> None:
     print(f"[{stage}] {threads} torch thread{'s' if threads > 1 else ''} ({stage}.threads)", file=sys.stderr)
 
 
+def corpus_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train-out", default=f"{RESULTS}/corpus/train.txt")
+    p.add_argument("--valid-out", default=f"{RESULTS}/corpus/valid.txt")
+
+
+@stage("corpus", "raw text -> train.txt and valid.txt", corpus_arguments)
 def cmd_corpus(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.corpus import prepare_corpus
 
     prepare_corpus(cfg.corpus, args.train_out, args.valid_out)
 
 
+def train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", default=f"{RESULTS}/corpus/train.txt")
+    p.add_argument("--output", default=f"{RESULTS}/tokenizer/tokenizer.json")
+
+
+@stage("train-tokenizer", "train.txt -> byte-level BPE tokenizer.json", train_tokenizer_arguments)
 def cmd_train_tokenizer(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.tokenizer import train_tokenizer
 
@@ -130,6 +203,13 @@ def cmd_train_tokenizer(cfg: Config, args: argparse.Namespace) -> None:
     )
 
 
+def encode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--input", nargs="+", default=[f"{RESULTS}/corpus/{split}.txt" for split in SPLITS])
+    p.add_argument("--output", nargs="+", default=[f"{RESULTS}/tokens/{split}.npy" for split in SPLITS])
+
+
+@stage("encode", "text files -> uint16 .npy token files", encode_arguments)
 def cmd_encode(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.tokenizer import Tokenizer, encode_corpus
 
@@ -147,6 +227,58 @@ class Stopped(KeyboardInterrupt):
     """SIGTERM (what `kill`, schedulers and Snakemake send), raised where the main thread is."""
 
 
+def pretrain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help=f"the tokenizer the token files were encoded with (default {DEFAULT_TOKENIZER}); --plan "
+        "plans with its vocabulary when given, with the config's tokenizer.vocab_size otherwise",
+    )
+    p.add_argument("--train-tokens", default=f"{RESULTS}/tokens/train.npy")
+    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"resume state folder (default {RESULTS}/state/<hash of the run's config>)",
+    )
+    p.add_argument("--checkpoint-dir", default=f"{RESULTS}/checkpoints")
+    p.add_argument(
+        "--tensorboard-dir",
+        default=f"{RESULTS}/tensorboard",
+        help="TensorBoard's event files go to a folder of the run's own in it, <run name>-<run hash> "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
+    p.add_argument(
+        "--log",
+        default=None,
+        help="also write everything this command says (its ranks' too) to this file; it still reaches "
+        "the terminal, up to the last line of a stopped run",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the model's size and the memory plan per rank (and refuse a run that would not fit) "
+        "without training",
+    )
+    p.add_argument(
+        "--plan-device",
+        default=None,
+        metavar="NAME",
+        help="plan for this device instead of this machine's (implies --plan): a GPU such as h100-80gb, "
+        "a100-40gb, l4-24gb (the list: tinylm/throughput.py, PLAN_GPUS), or cpu:<GB>gb such as cpu:64gb",
+    )
+    p.add_argument(
+        "--plan-bandwidth",
+        default=None,
+        metavar="LINK",
+        help="plan one update's communication (world size > 1) at this link (implies --plan): nvlink "
+        "(450 GB/s per GPU), infiniband (50 GB/s per GPU), or a bandwidth in GB/s per rank; default "
+        "nvlink up to 8 ranks, infiniband beyond (tinylm/parallel/comm_plan.py)",
+    )
+
+
+@stage("pretrain", "token files -> checkpoints (resumes a killed run)", pretrain_arguments)
 def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
     """Train; when stopped (Ctrl-C, SIGTERM), say the last committed step and the command that resumes.
     With --plan or --plan-device, only the plan (see print_memory_plan)."""
@@ -201,13 +333,6 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def cmd_env(cfg: Config, args: argparse.Namespace) -> None:
-    from tinylm.env import environment_lines
-
-    for line in environment_lines(cfg, args.config_name, args.timed_steps):
-        print(line, flush=True)
-
-
 def print_memory_plan(
     cfg: Config,
     tokenizer_path: str | None,
@@ -260,6 +385,24 @@ def print_memory_plan(
     plan_run(cfg, vocab_size, device, is_rank0=True, resumed_accumulation=resumed)
 
 
+def evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    checkpoint_arguments(p)
+    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
+    p.add_argument("--output", default=f"{RESULTS}/eval.csv")
+    p.add_argument("--plot", default=f"{RESULTS}/eval.png")
+    p.add_argument(
+        "--notes",
+        default=None,
+        help="how each column of the table is counted (Markdown; default: eval_columns.md beside --output)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=f"{RESULTS}/eval_cache",
+        help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)",
+    )
+
+
+@stage("evaluate", "checkpoints -> eval.csv (exact validation loss) and a loss plot", evaluate_arguments)
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
@@ -285,6 +428,18 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     write_eval(table, args.output, args.plot, args.notes or notes_path_for(args.output))
 
 
+def generate_arguments(p: argparse.ArgumentParser) -> None:
+    checkpoint_arguments(p)
+    p.add_argument(
+        "--eval",
+        default=None,
+        help="eval.csv whose row for the checkpoint's step the samples' header quotes (default: the "
+        "eval.csv beside the checkpoint folder, when it has that row and is newer than the checkpoint)",
+    )
+    p.add_argument("--output", default=f"{RESULTS}/samples.txt")
+
+
+@stage("generate", "final checkpoint -> samples.txt", generate_arguments)
 def cmd_generate(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.eval_table import eval_beside
     from tinylm.generate import write_samples
@@ -313,6 +468,17 @@ SAMPLE_OPTIONS = {
 }
 
 
+def sample_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens of the config")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: generate.temperature)")
+    p.add_argument("--top-p", type=float, help="nucleus threshold (default: generate.top_p)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    checkpoint_arguments(p)
+
+
+@stage("sample", "stream the completion of --prompt from a checkpoint to stdout", sample_arguments)
 def cmd_sample(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.generate import sample
 
@@ -335,6 +501,14 @@ def cmd_sample(cfg: Config, args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def export_arguments(p: argparse.ArgumentParser) -> None:
+    checkpoint_arguments(p)
+    p.add_argument("--output", default=f"{RESULTS}/hf")
+
+
+@stage(
+    "export", "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)", export_arguments
+)
 def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
@@ -347,6 +521,24 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> None:
     print(f"[export] step {step} of {checkpoint_dir} exported to {args.output}", file=sys.stderr)
 
 
+def compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--runs-json",
+        required=True,
+        help='the runs as JSON, or @FILE to read it from FILE: [{"name", "eval", "checkpoints", "overrides", '
+        '"values"}, ...] (values: each run\'s value of every key that some run overrides)',
+    )
+    p.add_argument("--output", default=f"{RESULTS}/compare.csv")
+    p.add_argument(
+        "--seeds-output",
+        default=None,
+        help="each configuration's mean and spread over its seeds (default: <output stem>_seeds.csv beside "
+        "--output)",
+    )
+    p.add_argument("--plot", default=f"{RESULTS}/compare.png")
+
+
+@stage("compare", "every run's eval.csv -> compare.csv and compare.png (side by side)", compare_arguments)
 def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
 
@@ -362,6 +554,23 @@ def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     print(markdown_table(final_figures(table)), file=sys.stderr)
 
 
+def scaling_laws_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--runs-json",
+        required=True,
+        help='the ladder\'s runs as JSON, or @FILE to read it from FILE: [{"name", "config", "seed", '
+        '"budget", "parameters", "tokens", "steps", "eval"}, ...] (what the workflow\'s rule gives)',
+    )
+    p.add_argument("--train-tokens", default=None, help="train.npy of the runs, to report their epochs")
+    p.add_argument("--output-dir", default=f"{RESULTS}/scaling_laws")
+
+
+@stage(
+    "scaling-laws",
+    "a ladder's final evaluations -> fits.csv, isoflop.csv, predictions.csv, points.csv and "
+    "scaling_laws.png (config: ladder)",
+    scaling_laws_arguments,
+)
 def cmd_scaling_laws(cfg: Config, args: argparse.Namespace) -> None:
     import numpy as np
 
@@ -389,6 +598,46 @@ def cmd_scaling_laws(cfg: Config, args: argparse.Namespace) -> None:
     print(summary(report), file=sys.stderr)
 
 
+def env_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timed-steps",
+        type=int,
+        default=5,
+        help="training steps timed for the estimate; 0 = no estimate (default: %(default)s)",
+    )
+
+
+@stage(
+    "env",
+    "the machine as tinylm sees it and the config resolved here (dtype, ranks, memory, time), "
+    "to paste into a bug report",
+    env_arguments,
+)
+def cmd_env(cfg: Config, args: argparse.Namespace) -> None:
+    from tinylm.env import environment_lines
+
+    for line in environment_lines(cfg, args.config_name, args.timed_steps):
+        print(line, flush=True)
+
+
+def config_show_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--show",
+        nargs="?",
+        const=PROJECT_CONFIG,
+        default=PROJECT_CONFIG,
+        metavar="FILE",
+        help=f"the config file to resolve (default {PROJECT_CONFIG} alone)",
+    )
+
+
+@stage(
+    "config",
+    f"print the resolved config: FILE merged onto {PROJECT_CONFIG} as --config and Snakemake's "
+    "--configfile merge it, each key with the file it came from",
+    config_show_arguments,
+    reads_config=False,
+)
 def cmd_config(cfg: Config | None, args: argparse.Namespace) -> None:
     """`config --show [FILE]`: the resolved config as YAML, each key with where its value came from."""
     from tinylm.config import run_configs
@@ -414,6 +663,17 @@ def cmd_config(cfg: Config | None, args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def config_docs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true", help="only say whether they differ (exit status 1)")
+    p.add_argument("--root", default=".", help="the repository root (default: the current folder)")
+
+
+@stage(
+    "config-docs",
+    "write config/config.yaml and config/README.md's key tables from tinylm/config/",
+    config_docs_arguments,
+    reads_config=False,
+)
 def cmd_config_docs(cfg: Config | None, args: argparse.Namespace) -> None:
     from tinylm.config import docs as config_docs
 
@@ -432,216 +692,17 @@ def cmd_config_docs(cfg: Config | None, args: argparse.Namespace) -> None:
     print(f"[config-docs] rewrote: {', '.join(written) or 'nothing (already up to date)'}", file=sys.stderr)
 
 
-def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
-    """--tokenizer, --checkpoint-dir and --state-dir: what evaluate, generate, sample and export read."""
-    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help=f"published checkpoints (default: {RESULTS}/checkpoints, or "
-        f"{RESULTS}/state/<run hash>/published when the run the config describes has newer committed "
-        "steps there: it trains or was stopped)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"the run's resume state folder (default {RESULTS}/state/<hash of the run's config>)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per declared stage (`STAGES`), each with its arguments."""
     parser = argparse.ArgumentParser(prog="tinylm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
-
-    def stage(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        g = p.add_mutually_exclusive_group()
-        g.add_argument(
-            "--config",
-            default=None,
-            metavar="FILE",
-            help=f"a YAML config file, merged onto {PROJECT_CONFIG} as Snakemake's --configfile is "
-            f"(default: {PROJECT_CONFIG} alone; `python -m tinylm config --show FILE` prints the result)",
-        )
-        g.add_argument(
-            "--config-json",
-            help="the config (any of its sections) as a JSON string, or @FILE to read that JSON from FILE "
-            "(what the Snakemake rules give)",
-        )
-        p.set_defaults(func=func)
-        return p
-
-    p = stage("corpus", cmd_corpus, "raw text -> train.txt and valid.txt")
-    p.add_argument("--train-out", default=f"{RESULTS}/corpus/train.txt")
-    p.add_argument("--valid-out", default=f"{RESULTS}/corpus/valid.txt")
-
-    p = stage("train-tokenizer", cmd_train_tokenizer, "train.txt -> byte-level BPE tokenizer.json")
-    p.add_argument("--input", default=f"{RESULTS}/corpus/train.txt")
-    p.add_argument("--output", default=f"{RESULTS}/tokenizer/tokenizer.json")
-
-    p = stage("encode", cmd_encode, "text files -> uint16 .npy token files")
-    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
-    p.add_argument("--input", nargs="+", default=[f"{RESULTS}/corpus/{split}.txt" for split in SPLITS])
-    p.add_argument("--output", nargs="+", default=[f"{RESULTS}/tokens/{split}.npy" for split in SPLITS])
-
-    p = stage("pretrain", cmd_pretrain, "token files -> checkpoints (resumes a killed run)")
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help=f"the tokenizer the token files were encoded with (default {DEFAULT_TOKENIZER}); --plan "
-        "plans with its vocabulary when given, with the config's tokenizer.vocab_size otherwise",
-    )
-    p.add_argument("--train-tokens", default=f"{RESULTS}/tokens/train.npy")
-    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help=f"resume state folder (default {RESULTS}/state/<hash of the run's config>)",
-    )
-    p.add_argument("--checkpoint-dir", default=f"{RESULTS}/checkpoints")
-    p.add_argument(
-        "--tensorboard-dir",
-        default=f"{RESULTS}/tensorboard",
-        help="TensorBoard's event files go to a folder of the run's own in it, <run name>-<run hash> "
-        "(default: %(default)s)",
-    )
-    p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
-    p.add_argument(
-        "--log",
-        default=None,
-        help="also write everything this command says (its ranks' too) to this file; it still reaches "
-        "the terminal, up to the last line of a stopped run",
-    )
-    p.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the model's size and the memory plan per rank (and refuse a run that would not fit) "
-        "without training",
-    )
-    p.add_argument(
-        "--plan-device",
-        default=None,
-        metavar="NAME",
-        help="plan for this device instead of this machine's (implies --plan): a GPU such as h100-80gb, "
-        "a100-40gb, l4-24gb (the list: tinylm/throughput.py, PLAN_GPUS), or cpu:<GB>gb such as cpu:64gb",
-    )
-    p.add_argument(
-        "--plan-bandwidth",
-        default=None,
-        metavar="LINK",
-        help="plan one update's communication (world size > 1) at this link (implies --plan): nvlink "
-        "(450 GB/s per GPU), infiniband (50 GB/s per GPU), or a bandwidth in GB/s per rank; default "
-        "nvlink up to 8 ranks, infiniband beyond (tinylm/parallel/comm_plan.py)",
-    )
-
-    p = stage("evaluate", cmd_evaluate, "checkpoints -> eval.csv (exact validation loss) and a loss plot")
-    checkpoint_arguments(p)
-    p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
-    p.add_argument("--output", default=f"{RESULTS}/eval.csv")
-    p.add_argument("--plot", default=f"{RESULTS}/eval.png")
-    p.add_argument(
-        "--notes",
-        default=None,
-        help="how each column of the table is counted (Markdown; default: eval_columns.md beside --output)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        default=f"{RESULTS}/eval_cache",
-        help="scores of checkpoints already evaluated (outside Snakemake's outputs; default %(default)s)",
-    )
-
-    p = stage("generate", cmd_generate, "final checkpoint -> samples.txt")
-    checkpoint_arguments(p)
-    p.add_argument(
-        "--eval",
-        default=None,
-        help="eval.csv whose row for the checkpoint's step the samples' header quotes (default: the "
-        "eval.csv beside the checkpoint folder, when it has that row and is newer than the checkpoint)",
-    )
-    p.add_argument("--output", default=f"{RESULTS}/samples.txt")
-
-    p = stage("sample", cmd_sample, "stream the completion of --prompt from a checkpoint to stdout")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens of the config")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: generate.temperature)")
-    p.add_argument("--top-p", type=float, help="nucleus threshold (default: generate.top_p)")
-    p.add_argument("--seed", type=int, help="sampling seed (default: generate.seed)")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    checkpoint_arguments(p)
-
-    p = stage(
-        "export", cmd_export, "a checkpoint and the tokenizer -> Hugging Face Llama folder (config: export)"
-    )
-    checkpoint_arguments(p)
-    p.add_argument("--output", default=f"{RESULTS}/hf")
-
-    p = stage("compare", cmd_compare, "every run's eval.csv -> compare.csv and compare.png (side by side)")
-    p.add_argument(
-        "--runs-json",
-        required=True,
-        help='the runs as JSON, or @FILE to read it from FILE: [{"name", "eval", "checkpoints", "overrides", '
-        '"values"}, ...] (values: each run\'s value of every key that some run overrides)',
-    )
-    p.add_argument("--output", default=f"{RESULTS}/compare.csv")
-    p.add_argument(
-        "--seeds-output",
-        default=None,
-        help="each configuration's mean and spread over its seeds (default: <output stem>_seeds.csv beside "
-        "--output)",
-    )
-    p.add_argument("--plot", default=f"{RESULTS}/compare.png")
-
-    p = stage(
-        "scaling-laws",
-        cmd_scaling_laws,
-        "a ladder's final evaluations -> fits.csv, isoflop.csv, predictions.csv, points.csv and "
-        "scaling_laws.png (config: ladder)",
-    )
-    p.add_argument(
-        "--runs-json",
-        required=True,
-        help='the ladder\'s runs as JSON, or @FILE to read it from FILE: [{"name", "config", "seed", '
-        '"budget", "parameters", "tokens", "steps", "eval"}, ...] (what the workflow\'s rule gives)',
-    )
-    p.add_argument("--train-tokens", default=None, help="train.npy of the runs, to report their epochs")
-    p.add_argument("--output-dir", default=f"{RESULTS}/scaling_laws")
-
-    p = stage(
-        "env",
-        cmd_env,
-        "the machine as tinylm sees it and the config resolved here (dtype, ranks, memory, time), "
-        "to paste into a bug report",
-    )
-    p.add_argument(
-        "--timed-steps",
-        type=int,
-        default=5,
-        help="training steps timed for the estimate; 0 = no estimate (default: %(default)s)",
-    )
-
-    about = (
-        f"print the resolved config: FILE merged onto {PROJECT_CONFIG} as --config and Snakemake's "
-        "--configfile merge it, each key with the file it came from"
-    )
-    p = sub.add_parser("config", help=about, description=about)
-    p.add_argument(
-        "--show",
-        nargs="?",
-        const=PROJECT_CONFIG,
-        default=PROJECT_CONFIG,
-        metavar="FILE",
-        help=f"the config file to resolve (default {PROJECT_CONFIG} alone)",
-    )
-    p.set_defaults(func=cmd_config, reads_config=False)
-
-    about = "write config/config.yaml and config/README.md's key tables from tinylm/config/"
-    p = sub.add_parser("config-docs", help=about, description=about)
-    p.add_argument("--check", action="store_true", help="only say whether they differ (exit status 1)")
-    p.add_argument("--root", default=".", help="the repository root (default: the current folder)")
-    p.set_defaults(func=cmd_config_docs, reads_config=False)
-
-    for stage_parser in sub.choices.values():  # show every path's default in --help
-        for action in stage_parser._actions:
+    for declared in STAGES:
+        p = sub.add_parser(declared.name, help=declared.help, description=declared.help)
+        if declared.reads_config:
+            config_arguments(p)
+        declared.arguments(p)
+        p.set_defaults(func=declared.command, reads_config=declared.reads_config)
+        for action in p._actions:  # show every path's default in --help
             if action.help is None and action.default is not None:
                 action.help = "default: %(default)s"
     return parser
