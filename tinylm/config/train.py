@@ -278,7 +278,7 @@ class TrainConfig:
         "Muon's matrices whole, shared out by equal shapes and balanced by Newton-Schulz work) and writes "
         "that slice of each checkpoint. Each gradient bucket is reduce-scattered into the slices, each rank "
         "steps its own and all-gathers the bucket's parameters back, waited for before the next forward: "
-        "a step sends what plain DDP's all-reduce sends, not 1.5x (Muon's buckets pad a rank's share to "
+        "a step sends what plain DDP's all-reduce sends (Muon's buckets pad a rank's share to "
         "whole matrices). The gradient clip uses one small all-reduce of the slices' squared norms",
         execution=True,
     )

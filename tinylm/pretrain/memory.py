@@ -70,14 +70,13 @@ GLIBC_MMAP_CEILING = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 # and leave). Fitted as an upper bound to ten shapes' resident peaks under glibc 2.36's defaults
 # less those of the same runs with the mmap threshold pinned (which hold the tensors alone), over
 # bfloat16 and float32, with and without activation checkpointing, at world sizes 1 and 2, and the
-# default run's peak over its 1,400 steps (the heap creeps over a run, past its first steps); each
-# bound 15 to 260 MiB above the largest of its shape's runs (bench/RESULTS.md, "Models that fit").
+# default run's peak over a whole run (the heap creeps over a run, past its first steps); how far
+# above each shape's runs the bound lies is in bench/RESULTS.md, "Models that fit".
 GLIBC_FREE_FIXED = 64 * 2**20
 GLIBC_FREE_PER_LIVE = 0.45
 GLIBC_FREE_PER_MADE = 0.055
 # What a training rank has resident beyond the planning process: the kernels' code pages it
-# touches, TensorBoard's writer, gloo's buffers (measured: 17 to 54 MiB on bench/memory_plan.py's
-# shapes).
+# touches, TensorBoard's writer, gloo's buffers (measured by bench/memory_plan.py).
 RANK_LIBRARY_BYTES = 64 * 2**20
 
 
