@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tinylm.config import RESULTS, Config, ConfigError, from_dict, run_state_dir
 from tinylm.config.merging import PROJECT_CONFIG, describe_layers, resolve_config
@@ -89,13 +90,11 @@ def _config(args: argparse.Namespace) -> Config:
     sections that describe trained weights, model, tokenizer and train, that the JSON or the file
     itself gives; without --config, config/config.yaml gives all)."""
     if args.config_json is not None:
-        text, args.config_name = args.config_json, "the config given with --config-json"
-        if text.startswith("@"):  # @FILE: the JSON in that file (what the Snakemake rules give)
-            text, args.config_name = _read_text(text[1:], "--config-json"), f"the config in {text[1:]}"
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config-json: {args.config_name}: not valid JSON: {e}") from None
+        raw = _json_option(args.config_json, "--config-json")
+        in_file = args.config_json.startswith("@")
+        args.config_name = (
+            f"the config in {args.config_json[1:]}" if in_file else "the config given with --config-json"
+        )
         args.weight_sections = tuple(
             s for s in ("model", "tokenizer", "train") if isinstance(raw, dict) and s in raw
         )
@@ -113,13 +112,21 @@ def _config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _read_text(path: str, option: str) -> str:
-    """The text of the file an option names (`--option @FILE`); an error naming the option and file."""
+def _json_option(value: str, option: str) -> Any:
+    """The JSON an option gives, inline or as @FILE (what the Snakemake rules give); an error naming
+    the option (and the file)."""
+    text, where = value, ""
+    if value.startswith("@"):
+        where = f" {value[1:]}:"
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{option}: cannot read {value[1:]}: {e}") from None
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{option}: cannot read {path}: {e}") from None
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option}:{where} not valid JSON: {e}") from None
 
 
 def _checkpoints(
@@ -542,13 +549,7 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_compare(cfg: Config, args: argparse.Namespace) -> None:
     from tinylm.compare import compare_runs, final_figures, markdown_table, write_compare
 
-    text = args.runs_json
-    if text.startswith("@"):
-        text = _read_text(text[1:], "--runs-json")
-    try:
-        runs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--runs-json: not valid JSON: {e}") from None
+    runs = _json_option(args.runs_json, "--runs-json")
     table = compare_runs(runs)
     write_compare(table, args.output, args.plot, args.seeds_output)
     print(markdown_table(final_figures(table)), file=sys.stderr)
@@ -576,13 +577,7 @@ def cmd_scaling_laws(cfg: Config, args: argparse.Namespace) -> None:
 
     from tinylm.scaling_laws import read_points, scaling_laws, summary, write_report
 
-    text = args.runs_json
-    if text.startswith("@"):
-        text = _read_text(text[1:], "--runs-json")
-    try:
-        runs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--runs-json: not valid JSON: {e}") from None
+    runs = _json_option(args.runs_json, "--runs-json")
     train_tokens = len(np.load(args.train_tokens, mmap_mode="r")) if args.train_tokens else None
     points = read_points(runs, train_tokens)
     if train_tokens:
