@@ -31,6 +31,7 @@ def key(
     execution: bool = False,
     applies_if: tuple[str, Any] | None = None,
     null_means: str | None = None,
+    left_out_at: Any = dataclasses.MISSING,
 ) -> Any:
     """A config key: its default, its explanation, its allowed values and its role, in one place.
 
@@ -46,7 +47,8 @@ def key(
     that value (e.g. `muon_lr` with `optimizer: muon`); otherwise it is left out too (see
     tinylm/config/runs.py, `weight_config`). A key with `null_means=other key` (default None) takes that
     key's value while null; it is left out of the identity while null or equal to it (the same run
-    either way), so the runs made before it existed keep their hash.
+    either way), so the runs made before it existed keep their hash. A key with `left_out_at=value`
+    is left out of the identity while it has that value (a capability off), for the same reason.
     """
     metadata = {
         "help": help,
@@ -60,6 +62,7 @@ def key(
         "execution": execution,
         "applies_if": applies_if,
         "null_means": null_means,
+        "left_out_at": None if left_out_at is dataclasses.MISSING else (left_out_at,),
     }
     return field(default=default, default_factory=factory, metadata=metadata)
 

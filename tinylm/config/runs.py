@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tinylm.config.ladder import LADDER_KEY, LadderPlan, ladder_plan
+from tinylm.config.lineage import check_lineage
 from tinylm.config.loading import from_dict, read_config_file
 from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
@@ -80,6 +81,7 @@ def run_configs(raw: Any) -> dict[str, Config]:
             )
         folded[name.lower()] = name
         configs[name] = _apply_overrides(raw, f"runs.{run}", overrides)
+    check_lineage(configs)
     return configs
 
 
@@ -256,6 +258,9 @@ def _deciding(section: Any) -> dict[str, Any]:
             continue
         fallback = f.metadata.get("null_means")
         if fallback and values[f.name] in (None, values[fallback]):
+            continue
+        left_out_at = f.metadata.get("left_out_at")
+        if left_out_at is not None and values[f.name] == left_out_at[0]:
             continue
         deciding[f.name] = values[f.name]
     return deciding

@@ -27,6 +27,25 @@ class TrainConfig:
         "(left out of its identity), so runs from before the key keep their hash and their bytes",
         null_means="seed",
     )
+    init_from: str | None = key(
+        None,
+        help="start from another run's checkpoint: a run of this config by name (`default` or one of "
+        "`runs:`), or a folder of published checkpoints (a path with a `/`); `null`: random initialisation",
+        more="The run takes the weights of `init_step` and trains on from that step to `max_iters` with its "
+        "own schedule, seed and data order (the batches of those steps), the optimizer state fresh: a "
+        "cooldown branch of a constant-rate run, or more steps of a finished one. Its tokenizer and corpus "
+        "are the parent's, and its model keys may differ from the parent's only where no weight's shape "
+        "does (`context_length`, `rope_theta`, `dropout`, `logit_softcap`, `zero_init_output`). Under "
+        "Snakemake the run depends on its parent's checkpoints; every manifest records the parent (its "
+        "checkpoint, step and weights' sha256), and a resume from steps of another parent starts afresh",
+        left_out_at=None,
+    )
+    init_step: int | None = key(
+        None,
+        lo=1,
+        help="the step of `init_from` to start from; `null`: its newest (a run: its last, `max_iters`)",
+        left_out_at=None,
+    )
     world_size: int = key(
         2,
         lo=1,

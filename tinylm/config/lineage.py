@@ -1,0 +1,123 @@
+"""Runs that start from another run's checkpoint (`train.init_from`): who the parent is, and the
+rules a branch keeps, checked over all the runs of a config before anything trains.
+
+A branch names its parent by run name (`default`, a run of `runs:`; under `seeds:` the parent's run
+of the same seed) or by a folder of published checkpoints (a path with a `/`, checked when the run
+starts: tinylm/pretrain/init.py). Against a parent of the config it must: name a run that exists,
+close no cycle, keep the parent's corpus and tokenizer, change no model key that changes a weight's
+shape, start from a step the parent publishes, and train past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tinylm.config.sections import Config
+from tinylm.keys import ConfigError
+
+# Model keys a branch may change: none of them changes the shape of a weight.
+SHAPE_FREE_MODEL_KEYS = frozenset(
+    {"context_length", "rope_theta", "dropout", "logit_softcap", "zero_init_output"}
+)
+DEFAULT_RUN = "default"
+
+
+def names_a_folder(init_from: str) -> bool:
+    """Whether `init_from` is a folder of checkpoints (a path with a `/`) rather than a run's name."""
+    return "/" in init_from or "\\" in init_from
+
+
+def parent_of(name: str, cfg: Config, configs: dict[str, Config]) -> str | None:
+    """The run `name` starts from, among `configs`: `train.init_from` itself, or under `seeds:` its run
+    of `name`'s seed (`const.s1` for the branch `cool.s1` of `init_from: const`); None when the run
+    starts from random weights or from a folder. A name that is no run is a ConfigError."""
+    init_from = cfg.train.init_from
+    if init_from is None or names_a_folder(init_from):
+        return None
+    seeded = name.rsplit(".", 1)[1] if "." in name and name != DEFAULT_RUN else None
+    for candidate in ([f"{init_from}.{seeded}"] if seeded else []) + [init_from]:
+        if candidate in configs:
+            return candidate
+    raise ConfigError(
+        f"train.init_from: {init_from!r} is no run of the config (runs: {', '.join(configs)}); a folder "
+        f"of checkpoints is written with a '/', e.g. ./{init_from}"
+    )
+
+
+def published_steps_of(cfg: Config) -> list[int]:
+    """The steps a run of `cfg` publishes: every `checkpoint_interval`, and `max_iters`."""
+    train = cfg.train
+    steps = list(range(train.checkpoint_interval, train.max_iters + 1, train.checkpoint_interval))
+    return steps if steps and steps[-1] == train.max_iters else [*steps, train.max_iters]
+
+
+def shape_differences(parent_model: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """The model keys, other than SHAPE_FREE_MODEL_KEYS, whose values differ: 'model.KEY: A in the
+    parent, B here'."""
+    return [
+        f"model.{key}: {parent_model.get(key)!r} in the parent, {value!r} here"
+        for key, value in model.items()
+        if key not in SHAPE_FREE_MODEL_KEYS and parent_model.get(key) != value
+    ]
+
+
+def init_step_of(cfg: Config, parent: Config) -> int:
+    """The parent's step a branch starts from: `init_step`, or the parent's last."""
+    return cfg.train.init_step if cfg.train.init_step is not None else parent.train.max_iters
+
+
+def check_lineage(configs: dict[str, Config]) -> None:
+    """Every run's `init_from` against its parent among `configs`; a ConfigError naming the run and
+    the key otherwise (see the module docs)."""
+    for name, cfg in configs.items():
+        where = "" if name == DEFAULT_RUN else f"runs.{name}: "
+        try:
+            _check_branch(name, cfg, configs)
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}") from None
+
+
+def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:
+    train = cfg.train
+    if train.init_from is None:
+        if train.init_step is not None:
+            raise ConfigError("train.init_step: applies with train.init_from only; set it to null")
+        return
+    parent_name = parent_of(name, cfg, configs)
+    if parent_name is None:  # a folder: checked when the run starts
+        return
+    chain, current = [name], parent_name
+    while current is not None:
+        seen = current in chain
+        chain.append(current)
+        if seen:
+            raise ConfigError(f"train.init_from: the runs start from each other: {' -> '.join(chain)}")
+        current = parent_of(current, configs[current], configs)
+    parent = configs[parent_name]
+    for section in ("corpus", "tokenizer"):
+        mine, theirs = dataclasses.asdict(getattr(cfg, section)), dataclasses.asdict(getattr(parent, section))
+        for key in mine:
+            if key != "num_workers" and mine[key] != theirs[key]:
+                raise ConfigError(
+                    f"{section}.{key}: {mine[key]!r} here, {theirs[key]!r} in the parent run "
+                    f"{parent_name!r}: a run that starts from another trains on its corpus with its tokenizer"
+                )
+    differences = shape_differences(dataclasses.asdict(parent.model), dataclasses.asdict(cfg.model))
+    if differences:
+        raise ConfigError(
+            f"{differences[0]} (run {parent_name!r}): it changes a weight's shape, so the parent's weights "
+            f"cannot start this run"
+        )
+    step, published = init_step_of(cfg, parent), published_steps_of(parent)
+    if step not in published:
+        listed = published if len(published) <= 8 else [*published[:3], "...", *published[-2:]]
+        raise ConfigError(
+            f"train.init_step: {step} is not a step run {parent_name!r} publishes "
+            f"({', '.join(map(str, listed))})"
+        )
+    if train.max_iters <= step:
+        raise ConfigError(
+            f"train.max_iters: {train.max_iters} is not past the step it starts from ({parent_name!r} at "
+            f"{step}): the run would train no step"
+        )
