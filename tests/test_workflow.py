@@ -240,6 +240,33 @@ def test_a_rerun_names_the_keys_that_changed_in_the_stage_log(two_runs, tmp_path
     assert "config since" not in (workdir / "results" / "logs" / "generate.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_branch_is_a_node_of_the_dag_rerun_when_its_parent_changes_and_not_otherwise(two_runs, tmp_path):
+    """A run of `runs:` with `train.init_from: default` waits for the default run's checkpoints, starts
+    from its step 20, and is planned again when they are made again (and only then)."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    branch = {"train.init_from": "default", "train.init_step": 20, "train.max_iters": 30}
+    (workdir / "branch.yaml").write_text(yaml.safe_dump({"runs": {"cool": branch}}))
+    target = ["results/runs/cool/eval.csv", "--configfile", str(workdir / "branch.yaml")]
+    assert planned_counts(workdir, *target) == {"pretrain": 1, "evaluate": 1}  # the parent is built
+    snakemake(workdir, *target)
+    log = (workdir / "results" / "runs" / "cool" / "logs" / "pretrain.log").read_text()
+    assert "starts from results/checkpoints/step_20.pt (step 20): train.init_from" in log, log
+    parent = json.loads((workdir / "results" / "checkpoints" / "step_20.json").read_text())
+    cool = workdir / "results" / "runs" / "cool"
+    manifest = json.loads((cool / "checkpoints" / "step_30.json").read_text())
+    assert manifest["parent"] == {"step": 20, "weights_sha256": parent["weights_sha256"]}
+    eval_steps = pd.read_csv(workdir / "results" / "runs" / "cool" / "eval.csv")["step"].tolist()
+    assert eval_steps == [30]
+    assert planned_counts(workdir, *target) == {}  # nothing changed: nothing to do
+    # The parent made again: the branch after it.
+    assert planned_counts(workdir, *target, "--forcerun", "results/checkpoints") == {
+        "pretrain": 2,
+        "evaluate": 1,
+    }
+
+
 def test_snakemake_lint_is_clean(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     proc = snakemake(workdir, "--lint", check=False)

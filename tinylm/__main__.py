@@ -257,6 +257,12 @@ def pretrain_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-name", default=None, help="label every log line with this name (a sweep's run)")
     p.add_argument(
+        "--init-dir",
+        default=None,
+        help="the published checkpoints of the run train.init_from names (default: train.init_from when it "
+        f"is a folder, else {RESULTS}/checkpoints for `default` and {RESULTS}/runs/<run>/checkpoints)",
+    )
+    p.add_argument(
         "--log",
         default=None,
         help="also write everything this command says (its ranks' too) to this file; it still reaches "
@@ -316,6 +322,7 @@ def cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
             args.checkpoint_dir,
             args.tensorboard_dir,
             run_name=args.run_name,
+            init_dir=args.init_dir,
         )
     except (KeyboardInterrupt, SystemExit) as e:
         # The launcher turns SIGTERM into SystemExit(128 + SIGTERM) while it waits for the ranks.

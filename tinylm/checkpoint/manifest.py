@@ -28,7 +28,7 @@ from tinylm.io import atomic_write_text
 FORMAT = 2  # of checkpoint files and manifests; a checkpoint written in another format is not read
 # What names the run a checkpoint belongs to, besides its "config" (the keys that decide the weights):
 # the checkpoints of one run agree on all of them, and a resume must too.
-IDENTITY_KEYS = ("seed", "structural_hash", "tokenizer_sha256")
+IDENTITY_KEYS = ("seed", "structural_hash", "tokenizer_sha256", "parent")
 
 
 @dataclass
@@ -51,8 +51,10 @@ class Manifest:
     structural_hash: str | None = None  # of the model config: what the tensors' shapes depend on
     tokenizer_sha256: str | None = None  # of the tokenizer file the run was trained with
     config: dict[str, dict[str, Any]] | None = None  # the keys that decide the weights (weight_config)
+    parent: dict[str, Any] | None = None  # the checkpoint the run started from: step, weights_sha256
     # How the run executed, and what made its numbers (none of it changes the math)
     tokenizer_path: str | None = None  # where the tokenizer of tokenizer_sha256 was, at training time
+    parent_checkpoint: str | None = None  # where the parent's checkpoint was, at training time
     world_size: int | None = None
     threads_per_rank: int | None = None
     grad_accum_steps: int | None = None

@@ -45,6 +45,7 @@ from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
 from tinylm.parallel.sharded import clip_grad_norm_, gradient_shards, held_gradients
 from tinylm.precision import DTYPES, LossScaler, autocast, configure_kernels
+from tinylm.pretrain.init import Init, load_init_weights
 from tinylm.pretrain.log import TrainingLog, set_run_name
 from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
 from tinylm.pretrain.resume import restore_run, save_step_of_run, seed_everything
@@ -68,6 +69,7 @@ class RunSpec:
     tensorboard_dir: str | None
     seconds_before: float  # training wall time of the attempts this run resumes
     run_name: str | None  # a sweep's run, on every log line
+    init: Init | None = None  # the checkpoint a fresh start takes its weights from (train.init_from)
 
 
 def train_rank(ctx: RankContext, spec: RunSpec) -> None:
@@ -100,6 +102,9 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, shards=gradient_shards(optimizer))
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
     start = restore_run(ctx, spec.state_dir, model, optimizer, scaler)
+    if start == 0 and spec.init is not None:  # a fresh branch: the parent's weights, at its step
+        load_init_weights(spec.init, model)
+        start = spec.init.step
     log = TrainingLog(
         ctx, train, model, dtype, start, spec.state_dir, spec.tensorboard_dir, spec.seconds_before
     )

@@ -26,6 +26,7 @@ from tinylm.parallel import launch
 from tinylm.parallel.comm_plan import Link, default_link, plan_communication
 from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
 from tinylm.precision import bf16_cost, dtype_name, native_bf16, resolve_dtype_with_reason
+from tinylm.pretrain.init import find_init
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
@@ -33,7 +34,7 @@ from tinylm.pretrain.memory import PlanDevice, local_device, plan_memory, smalle
 from tinylm.pretrain.optimizer import parameter_specs
 from tinylm.pretrain.publish import check_checkpoint_dir, publish
 from tinylm.pretrain.resume import check_resumable
-from tinylm.pretrain.state import newest_intact_step
+from tinylm.pretrain.state import OTHER_PARENT_SUFFIX, newest_intact_step, set_aside
 from tinylm.pretrain.steps import committed_steps, step_manifest
 from tinylm.tokenizer import Tokenizer
 
@@ -163,6 +164,7 @@ def train(
     tensorboard_dir: str | os.PathLike | None = None,
     *,
     run_name: str | None = None,
+    init_dir: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Train (or resume) and publish the checkpoints into `checkpoint_dir`; returns their paths.
 
@@ -171,7 +173,9 @@ def train(
     name). A run whose state holds its last step is finished: it says so, trains nothing and
     publishes its checkpoints again. The newest intact committed step is resumed from (corrupt
     newer ones are set aside and said). A `checkpoint_dir` holding another run's checkpoints is
-    refused before anything trains. Under torchrun every
+    refused before anything trains. A run with `train.init_from` starts from that checkpoint (in
+    `init_dir` when given; tinylm/pretrain/init.py), checked before anything is written; steps
+    committed from another parent checkpoint are set aside and the run starts afresh. Under torchrun every
     process runs this function; only global rank 0 scans the token files, locks and publishes
     (the others return []).
     """
@@ -182,6 +186,10 @@ def train(
     train = cfg.train
     model_config = model_config_of(cfg, vocab_size)
     identity = run_identity(cfg, model_config, tokenizer_path)
+    init = find_init(cfg, init_dir, identity.tokenizer_sha256, model_config)
+    if init is not None:
+        identity.parent, identity.parent_checkpoint = init.identity(), init.checkpoint
+        log_line(is_rank0, f"starts from {init.checkpoint} (step {init.step}): train.init_from")
     backend, note = resolve_backend(train.backend, train.world_size)
     if note:
         log_line(is_rank0, note)
@@ -192,6 +200,17 @@ def train(
         tensorboard_dir = Path(tensorboard_dir) / "-".join(filter(None, [run_name, run_hash(cfg)[:8]]))
     with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         newest = newest_step(state_dir, is_rank0)
+        if newest and newest[1].parent != identity.parent:
+            if is_rank0:
+                for step in committed_steps(state_dir):
+                    set_aside(state_dir, step, OTHER_PARENT_SUFFIX)
+                log_line(
+                    True,
+                    f"the committed steps in {state_dir} started from another checkpoint than "
+                    f"{init.checkpoint if init else 'random weights'}: set aside "
+                    f"(step_N{OTHER_PARENT_SUFFIX}), the run starts afresh",
+                )
+            newest = None
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
         manifest = newest[1] if newest else Manifest()
         if newest:
@@ -213,6 +232,7 @@ def train(
                 tensorboard_dir=None if tensorboard_dir is None else str(tensorboard_dir),
                 seconds_before=train_seconds,
                 run_name=run_name,
+                init=init,
             )
             launch(
                 train_rank,

@@ -239,6 +239,7 @@ def _prune(state_dir: Path, keep: int) -> None:
 # Restoring
 
 CORRUPT_SUFFIX = ".corrupt"  # a committed step found corrupt is renamed step_NNNNNNN.corrupt, kept
+OTHER_PARENT_SUFFIX = ".other-parent"  # a step of a run that started from another checkpoint
 
 
 def verify_step(state_dir: str | os.PathLike, step: int) -> Manifest:
@@ -272,7 +273,7 @@ def newest_intact_step(
             corrupt.append(step)
             continue
         for bad in corrupt:
-            kept = _set_aside(state_dir, bad)
+            kept = set_aside(state_dir, bad)
             say(f"step {bad} set aside as {kept} (kept for inspection); resuming from step {step}, intact")
         return step, manifest
     if corrupt:
@@ -284,14 +285,15 @@ def newest_intact_step(
     return None
 
 
-def _set_aside(state_dir: Path, step: int) -> Path:
-    """Rename a corrupt step's folder out of the committed steps (a fresh name ending in .corrupt)
-    and remove the step from the published folder; returns the new name."""
+def set_aside(state_dir: Path, step: int, suffix: str = CORRUPT_SUFFIX) -> Path:
+    """Rename a committed step's folder out of the committed steps (a fresh name ending in `suffix`:
+    a corrupt step, or one of another parent) and remove the step from the published folder; returns
+    the new name."""
     folder = step_dir(state_dir, step)
-    kept, n = folder.with_name(folder.name + CORRUPT_SUFFIX), 1
+    kept, n = folder.with_name(folder.name + suffix), 1
     while kept.exists():
         n += 1
-        kept = folder.with_name(f"{folder.name}{CORRUPT_SUFFIX}{n}")
+        kept = folder.with_name(f"{folder.name}{suffix}{n}")
     folder.rename(kept)
     published = published_file(state_dir / PUBLISHED_DIR, step)
     published.with_suffix(".json").unlink(missing_ok=True)  # the manifest first: readers need both

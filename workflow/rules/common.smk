@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_hash, run_state_dir
+from tinylm.config.lineage import parent_of
 from tinylm.io import atomic_path
 from tinylm.corpus.readers import matching_files
 
@@ -75,6 +76,17 @@ def run_json(*names):
 
 def data_json(*names):
     return lambda wildcards: sections_json(DATA_OF[wildcards.data_dir], *names)
+
+
+def init_checkpoints(wildcards):
+    """The checkpoints folder a run with `train.init_from` starts from (the parent run's, so that the
+    run waits for it and reruns when it changes), or no input."""
+    run = RUN_OF[wildcards.run_dir]
+    cfg = RUNS[run]
+    if cfg.train.init_from is None:
+        return []
+    parent = parent_of(run, cfg, RUNS)
+    return cfg.train.init_from if parent is None else f"results/{run_dir(parent)}checkpoints"
 
 
 def data_file(path):

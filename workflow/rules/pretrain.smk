@@ -10,12 +10,14 @@ rule pretrain:
         tokenizer=data_file("tokenizer/tokenizer.json"),
         train=data_file("tokens/train.npy"),
         valid=data_file("tokens/valid.npy"),
+        init=init_checkpoints,  # the parent run's checkpoints, for a run with train.init_from
     output:
         directory("results/{run_dir}checkpoints"),
     params:
         cfg=run_json("corpus", "tokenizer", "model", "train"),
         state_dir=lambda wildcards: run_state_dir(run_cfg(wildcards), wildcards.run_dir),
         run_name=lambda wildcards: RUN_OF[wildcards.run_dir],
+        init=lambda wildcards, input: f"--init-dir {input.init}" if input.init else "",
         launcher=LAUNCHER,
     conda:
         "../envs/tinylm.yaml"
@@ -32,4 +34,4 @@ rule pretrain:
         "{params.launcher} -m tinylm pretrain --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --train-tokens {input.train} --valid-tokens {input.valid} --state-dir {params.state_dir}"
         " --checkpoint-dir {output} --tensorboard-dir results/tensorboard --run-name {params.run_name}"
-        " --log {log}"
+        " --log {log} {params.init}"
