@@ -257,8 +257,8 @@ def test_a_branch_is_a_node_of_the_dag_rerun_when_its_parent_changes_and_not_oth
     cool = workdir / "results" / "runs" / "cool"
     manifest = json.loads((cool / "checkpoints" / "step_30.json").read_text())
     assert manifest["parent"] == {"step": 20, "weights_sha256": parent["weights_sha256"]}
-    eval_steps = pd.read_csv(workdir / "results" / "runs" / "cool" / "eval.csv")["step"].tolist()
-    assert eval_steps == [30]
+    assert pd.read_csv(cool / "eval.csv")["step"].tolist() == [30]
+    assert "started from: results/checkpoints/step_20.pt (step 20" in (cool / "eval_columns.md").read_text()
     assert planned_counts(workdir, *target) == {}  # nothing changed: nothing to do
     # The parent made again: the branch after it.
     assert planned_counts(workdir, *target, "--forcerun", "results/checkpoints") == {

@@ -240,6 +240,11 @@ def evaluate_checkpoints(
     table = pd.DataFrame(rows, columns=COLUMNS)
     trained_on = manifest.machine  # the newest step's
     table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, trained_on)
+    if manifest.parent is not None:  # a run that started from another's checkpoint (train.init_from)
+        table.attrs["notes"].append(
+            f"started from: {manifest.parent_checkpoint} (step {manifest.parent['step']}, weights sha256 "
+            f"{manifest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
+        )
     return table
 
 
