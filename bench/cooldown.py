@@ -1,0 +1,95 @@
+"""Cooldown branches against cosine runs of the same lengths: the table and the figure.
+
+    snakemake --cores all results/compare.csv --configfile config/cooldown.yaml
+    python bench/cooldown.py [--compare results/compare.csv] [--figure bench/cooldown.png]
+
+Reads the sweep's compare.csv (every run's evaluated checkpoints: tokens seen, training seconds,
+bits per byte). A branch `coolK` of config/cooldown.yaml starts from step K of `const` and decays
+to its own last step; its cost is its own training time plus the share of `const` up to step K
+that it needs (the parent's time to K, which every branch at or past K shares). Printed as Markdown
+for bench/RESULTS.md: per length, the branch's and the cosine run's final bits per byte, their
+difference, and the training seconds each took; the figure plots bits per byte against tokens seen:
+`const`'s curve, each branch's decay, and each cosine run's curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pandas as pd
+
+
+def cooldown_table(compare: pd.DataFrame) -> pd.DataFrame:
+    """One row per length: the branch `cool<K>` (its last step) beside the cosine run of that length."""
+    final = compare.sort_values("step").groupby("run").tail(1).set_index("run")
+    const = compare[compare["run"] == "const"].set_index("step")
+    rows = []
+    for run in final.index:
+        match = re.fullmatch(r"cool(\d+)", run)
+        if not match:
+            continue
+        start, branch = int(match.group(1)), final.loc[run]
+        cosine_name = f"cos{int(branch['step'])}"
+        if cosine_name not in final.index:
+            continue
+        cosine = final.loc[cosine_name]
+        parent_seconds = float(const.loc[start, "train_seconds"]) if start in const.index else float("nan")
+        rows.append(
+            {
+                "steps": int(branch["step"]),
+                "tokens": int(branch["tokens_seen"]),
+                "branch from": start,
+                "branch bits/byte": branch["bits_per_byte"],
+                "cosine bits/byte": cosine["bits_per_byte"],
+                "branch - cosine": branch["bits_per_byte"] - cosine["bits_per_byte"],
+                "branch s (own)": branch["train_seconds"],
+                "parent s to the branch": parent_seconds,
+                "cosine s": cosine["train_seconds"],
+            }
+        )
+    return pd.DataFrame(rows).sort_values("steps")
+
+
+def plot(compare: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run, rows in compare.groupby("run", sort=False):
+        rows = rows.sort_values("step")
+        if run == "const":
+            label = "const (stable phase)"
+            ax.plot(rows["tokens_seen"], rows["bits_per_byte"], "k-", marker="o", label=label)
+        elif run.startswith("cool"):
+            start = int(run.removeprefix("cool"))
+            const = compare[(compare["run"] == "const") & (compare["step"] == start)]
+            xs = [*const["tokens_seen"], *rows["tokens_seen"]]
+            ys = [*const["bits_per_byte"], *rows["bits_per_byte"]]
+            ax.plot(xs, ys, "C0-", marker="s", label="decay branches" if start == 400 else None)
+        elif run.startswith("cos"):
+            ax.plot(rows["tokens_seen"], rows["bits_per_byte"], "C3--", marker="^", label=run)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("bits per byte (held-out plays)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", type=Path, default=Path("results/compare.csv"))
+    parser.add_argument("--figure", type=Path, default=Path("bench/cooldown.png"))
+    args = parser.parse_args()
+    compare = pd.read_csv(args.compare)
+    print(cooldown_table(compare).to_markdown(index=False, floatfmt=".4f"))
+    plot(compare, args.figure)
+    print(f"\nfigure: {args.figure}")
+
+
+if __name__ == "__main__":
+    main()
