@@ -9,7 +9,7 @@ runs in its own process (its peak memory is its own) and reports:
   peak), peak memory (torch.cuda.max_memory_allocated) beside the memory plan's tensors;
 - per-region times from CUDA events around each part of the step: forward (embeddings and blocks),
   loss (the head, the soft-cap and the cross-entropy), backward, clip, optimizer (median over the
-  timed steps; the baseline compiled whole has forward and loss as one region);
+  timed steps; a model compiled whole has forward and loss as one region);
 - the device's kernels of one step and torch.profiler's top 40 kernels by device time, written to
   `<out dir>/profile_<variant>.txt`;
 - for compiled variants, torch._dynamo's graph breaks and the recompilations after the warm-up
@@ -20,12 +20,13 @@ PyTorch's parts (fused q/k/v projection, F.scaled_dot_product_attention, nn.RMSN
 untied head), F.cross_entropy on float32 logits inside the forward, torch.optim.AdamW(fused=True),
 clip_grad_norm_(foreach=True); compiled, the whole model with its loss is one torch.compile.
 tinylm is the trainer's step: `model(x, targets=y)`, ours everywhere, compiled as
-`train.compile` compiles (tinylm.pretrain.loop.compile_model: each block, and on CUDA the loss region).
+`train.compile` compiles (tinylm.pretrain.loop.compile_model: on one GPU the whole model with its
+loss; under DDP each block, and the loss region).
 
 The ablation rows change one thing each against "tinylm" (eager) or "tinylm+compile": the fused
 cross-entropy, the fused AdamW, the multi-tensor clip, F.rms_norm (against our written-out formula),
 the attention backend (flash, cuDNN, memory-efficient, math), deterministic kernels (train.deterministic),
-activation checkpointing.
+activation checkpointing, and the compile per block (as under DDP) against the whole model.
 
     python bench/gpu.py                          # every variant (about 8 minutes, cold caches)
     python bench/gpu.py --variants native tinylm --out-dir bench/out
@@ -70,7 +71,7 @@ class Variant:
     impl: str  # "native" or "tinylm"
     compiled: bool = False
     fused_loss: bool = True  # tinylm: cross_entropy(fused=)
-    compile_loss: bool = True  # tinylm+compile on CUDA: the loss region compiled whole
+    whole: bool = True  # tinylm+compile: one graph of the model and loss (one GPU), or per block
     fused_adamw: bool = True
     fused_clip: bool = True
     rms_norm: str = "torch"  # "torch" (F.rms_norm) or "formula" (written out)
@@ -100,7 +101,7 @@ VARIANTS = {
     "tinylm, full checkpointing": Variant("tinylm", checkpointing="full"),
     "tinylm, selective checkpointing": Variant("tinylm", checkpointing="selective"),
     # One change each against tinylm+compile.
-    "tinylm+compile, loss region eager": Variant("tinylm", compiled=True, compile_loss=False),
+    "tinylm+compile, per block": Variant("tinylm", compiled=True, whole=False),
     "tinylm+compile, flash attention": Variant("tinylm", compiled=True, attention="FLASH_ATTENTION"),
     "tinylm+compile, cuDNN attention": Variant("tinylm", compiled=True, attention="CUDNN_ATTENTION"),
     "tinylm+compile, efficient attention": Variant("tinylm", compiled=True, attention="EFFICIENT_ATTENTION"),
@@ -209,10 +210,8 @@ def build(variant: Variant, shape: dict, device: torch.device):
     model = Transformer(**shape, device=device)
     model.set_activation_checkpointing(variant.checkpointing)
     optimizer = AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), fused=variant.fused_adamw)
-    if variant.compiled:
-        compile_model(model, 1, device)
-        if not variant.compile_loss and "output_loss" in vars(model):
-            del model.output_loss  # the class's method again: the loss region eager
+    if variant.compiled:  # as train.compile compiles on one GPU (whole), or under DDP (per block)
+        compile_model(model, 1 if variant.whole else 2, device)
     return model, optimizer, lambda params: nn_utils.gradient_clip(params, 1.0)
 
 
@@ -284,8 +283,8 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out
         mark("start")
         optimizer.zero_grad(set_to_none=True)
         with autocast(device, dtype):
-            if variant.impl == "native" and variant.compiled:
-                loss = model(x, y)
+            if variant.compiled and (variant.impl == "native" or variant.whole):
+                loss = model(x, y) if variant.impl == "native" else model(x, targets=y)
                 mark("forward+loss")
             else:
                 hidden = model.hidden_states(x)
@@ -500,7 +499,7 @@ def main() -> None:
         f"{shape['context_length']} tokens, bf16 autocast, torch {torch.__version__}, "
         f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; median of {steps} steps "
         f"after {warmup} warm-up steps; each variant in its own process. Regions in ms: forward / loss / "
-        f"backward / clip / optimizer (the baseline compiled whole: forward and loss as one). "
+        f"backward / clip / optimizer (a model compiled whole: forward and loss as one). "
         "Compiler: graph breaks / recompiles after warm-up.\n"
     )
     print(HEADER, flush=True)

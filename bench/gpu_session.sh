@@ -11,8 +11,9 @@
 #   2. the eager variants of bench/gpu.py: the torch-native baseline, tinylm, and one row per fast
 #      path turned off, deterministic kernels and activation checkpointing; per-region times,
 #      kernels per step, peak memory beside the plan;
-#   3. the compiled variants: the baseline compiled whole, tinylm as train.compile compiles it, the
-#      loss region eager, the flash and cuDNN attention backends; graph breaks and recompiles;
+#   3. the compiled variants: the baseline compiled whole, tinylm as train.compile compiles it on one
+#      GPU (whole) and under DDP (per block), the flash and cuDNN attention backends; graph breaks
+#      and recompiles;
 #   4. with 2 or more GPUs, bench/gpu_ddp.py (NCCL): DDP and ZeRO-1 against torch's;
 #   5. one summary table of parts 2 and 3 (tokens/s, ratio to the baseline of the same compile, MFU,
 #      time per region, peak memory against the plan), to paste into bench/RESULTS.md.
@@ -63,7 +64,7 @@ cat "$out/gpu_eager.md"
 if [ ${#smoke[@]} -gt 0 ]; then
     compiled=(tinylm+compile)
 else
-    compiled=(native+compile tinylm+compile "tinylm+compile, loss region eager"
+    compiled=(native+compile tinylm+compile "tinylm+compile, per block"
               "tinylm+compile, flash attention" "tinylm+compile, cuDNN attention")
 fi
 timeout 210 python3 bench/gpu.py "${smoke[@]}" --steps 10 --warmup 3 --variant-timeout 90 \

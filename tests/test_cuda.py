@@ -434,7 +434,7 @@ def test_the_compiled_loss_region_has_no_graph_break_and_is_the_eager_loss():
     eager = model.output_loss
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compile_model(model, 1, torch.device("cuda"))
+    compile_model(model, 2, torch.device("cuda"))  # under DDP: the blocks, and the loss region alone
     losses = []
     for region in (model.output_loss, eager):
         leaf = hidden.clone().requires_grad_()
@@ -445,3 +445,32 @@ def test_the_compiled_loss_region_has_no_graph_break_and_is_the_eager_loss():
     assert not torch._dynamo.utils.counters["graph_break"]
     torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(losses[0][1], losses[1][1], rtol=2e-2, atol=1e-5)
+
+
+def test_on_one_gpu_the_whole_model_is_one_graph_and_trains_as_eager():
+    """At world size 1 compile_model compiles the model with its loss whole: no graph break, and the
+    loss and gradients of the eager model up to rounding."""
+    import torch._dynamo
+
+    from tinylm.model import Transformer
+    from tinylm.pretrain.loop import compile_model
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=1024, context_length=64, d_model=128, num_layers=2, num_heads=4, d_ff=256)
+    eager, compiled = Transformer(**shape).cuda(), Transformer(**shape).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_model(compiled, 1, torch.device("cuda"))
+    ids = torch.randint(0, 1024, (4, 65), device="cuda")
+    results = []
+    for model in (compiled, eager):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)

@@ -387,8 +387,20 @@ def write_compare(
     p_values = ["" if pd.isna(p) else f"{p:.6g}" for p in figures["p_welch"]]
     with atomic_path(seeds_path or seeds_csv_path(csv_path), suffix=".csv") as tmp:
         figures.assign(p_welch=p_values).to_csv(tmp, index=False, float_format="%.6f")
-    if plot_path is None:
-        return
+    if plot_path is not None:
+        _write_plot(table, figures, plot_path)
+
+
+PANEL_LABELS = {
+    "tokens_seen": "tokens seen",
+    "train_seconds": "training wall time (s)",
+    "val_loss": "validation loss (nats/token)",
+    "bits_per_byte": "bits per byte",
+}
+
+
+def _write_plot(table: pd.DataFrame, figures: pd.DataFrame, plot_path: str | os.PathLike) -> None:
+    """compare.png: the panels above the table of final figures, titled (see `write_compare`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,12 +411,6 @@ def write_compare(
     panels = [("tokens_seen", "bits_per_byte"), ("train_seconds", "bits_per_byte")]
     if with_loss:
         panels = [("tokens_seen", "val_loss"), ("train_seconds", "val_loss"), *panels]
-    labels = {
-        "tokens_seen": "tokens seen",
-        "train_seconds": "training wall time (s)",
-        "val_loss": "validation loss (nats/token)",
-        "bits_per_byte": "bits per byte",
-    }
 
     head, cells, widths = table_cells(figures, with_loss)
     # Each row is as high as its lines of text and a little more (the header has two lines).
@@ -418,6 +424,25 @@ def write_compare(
         figsize=(12, 0.8 + note + rows * PANEL_HEIGHT + table_height), dpi=100, layout="constrained"
     )
     grid = fig.add_gridspec(rows + 1, 2, height_ratios=[PANEL_HEIGHT] * rows + [table_height])
+    _draw_panels(fig, grid, table, panels, seeded)
+    _draw_table(fig.add_subplot(grid[rows, :]), head, cells, widths, row_heights)
+    title = "tinylm runs compared (exact validation metrics of every checkpoint)"
+    if not with_loss:
+        title += "\nthe runs' vocabularies differ: compared by bits per byte only"
+    if seeded:
+        title += (
+            "\nper configuration: the mean over its seeds ± the sample standard deviation (ddof=1);"
+            f"\n{WITHIN_SPREAD_MARK}: the difference to the first is within the spread, "
+            "|Δ| ≤ sqrt(std² + std_first²) of bits per byte"
+        )
+    fig.suptitle(title)
+    with atomic_path(plot_path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def _draw_panels(fig, grid, table: pd.DataFrame, panels: list[tuple[str, str]], seeded: bool) -> None:
+    """One panel per (x, y): a line per configuration (its mean, in a band of its spread), a legend."""
     for i, (x, y) in enumerate(panels):
         ax = fig.add_subplot(grid[i // 2, i % 2])
         for config, curve in mean_curves(table, x, y).groupby("config", sort=False):
@@ -429,15 +454,19 @@ def write_compare(
                 ax.fill_between(
                     curve[x], curve[y] - spread, curve[y] + spread, color=line.get_color(), alpha=0.2, lw=0
                 )
-        ax.set_xlabel(labels[x])
-        ax.set_ylabel(labels[y])
+        ax.set_xlabel(PANEL_LABELS[x])
+        ax.set_ylabel(PANEL_LABELS[y])
         ax.grid(alpha=0.3)
     handles, names = ax.get_legend_handles_labels()
     fig.legend(
         handles, names, loc="outside right upper", fontsize=8, title="configuration" if seeded else "run"
     )
 
-    ax = fig.add_subplot(grid[rows, :])
+
+def _draw_table(
+    ax, head: list[str], cells: list[list[str]], widths: list[float], row_heights: list[float]
+) -> None:
+    """The table of final figures, its rows as high as their lines of text."""
     ax.axis("off")
     shown = ax.table(
         cellText=cells,
@@ -453,16 +482,3 @@ def write_compare(
         cell.set_height(row_heights[row] / sum(row_heights))
         cell.PAD = 0.02  # of the cell's width: the text starts near the left edge of wide cells too
         cell.get_text().set_verticalalignment("center")
-    title = "tinylm runs compared (exact validation metrics of every checkpoint)"
-    if not with_loss:
-        title += "\nthe runs' vocabularies differ: compared by bits per byte only"
-    if seeded:
-        title += (
-            "\nper configuration: the mean over its seeds ± the sample standard deviation (ddof=1);"
-            f"\n{WITHIN_SPREAD_MARK}: the difference to the first is within the spread, "
-            "|Δ| ≤ sqrt(std² + std_first²) of bits per byte"
-        )
-    fig.suptitle(title)
-    with atomic_path(plot_path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", metadata={"Software": None})
-    plt.close(fig)

@@ -479,11 +479,20 @@ def plot(report: Report, path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     points, law = report.points, report.laws["all"]
-    held = report.laws.get("holdout")
     fig, axes = plt.subplots(1, 3, figsize=(16, 5), dpi=100, layout="constrained")
-    colours = plt.get_cmap("viridis")
     budgets = sorted(points["budget"].unique())
-    ax = axes[0]
+    span = np.geomspace(min(budgets) / 2, max([*budgets, *report.predictions["budget"]]) * 1.5, 50)
+    _isoflop_panel(axes[0], law, points, budgets, plt.get_cmap("viridis"))
+    _frontier_panel(axes[1], report, span)
+    _parametric_panel(axes[2], law, points, span)
+    fig.suptitle(f"tinylm scaling ladder: {len(points)} runs over {len(budgets)} budgets")
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def _isoflop_panel(ax, law, points: pd.DataFrame, budgets: list[float], colours) -> None:
+    """Each budget's points and fitted parabola over log N, with its minimum when it is interior."""
     for i, iso in enumerate(law.isoflops):
         colour = colours(i / max(1, len(budgets) - 1))
         here = points[points["budget"] == iso.budget]
@@ -501,10 +510,12 @@ def plot(report: Report, path: str | os.PathLike) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
 
-    ax = axes[1]
+
+def _frontier_panel(ax, report: Report, span: np.ndarray) -> None:
+    """N_opt of each parabola against compute, the power law, and the held-out fit's prediction."""
+    law, held = report.laws["all"], report.laws.get("holdout")
     iso = [i for i in law.isoflops if i.interior]
     ax.scatter([i.budget for i in iso], [i.n_opt for i in iso], color="black", label="N_opt of each parabola")
-    span = np.geomspace(min(budgets) / 2, max([*budgets, *report.predictions["budget"]]) * 1.5, 50)
     a, b = law.n_law
     ax.plot(span, a * span**b, color="C0", label=f"N_opt = {a:.3g} C^{b:.3f} (all budgets)")
     if held is not None:
@@ -538,7 +549,9 @@ def plot(report: Report, path: str | os.PathLike) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, which="both")
 
-    ax = axes[2]
+
+def _parametric_panel(ax, law, points: pd.DataFrame, span: np.ndarray) -> None:
+    """The parametric law's contours over (N, D), the runs, and the compute-optimal line."""
     p = law.parametric
     n_grid = np.geomspace(points["n"].min() / 2, points["n"].max() * 2, 120)
     d_grid = np.geomspace(points["d"].min() / 2, points["d"].max() * 2, 120)
@@ -560,7 +573,3 @@ def plot(report: Report, path: str | os.PathLike) -> None:
     )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.suptitle(f"tinylm scaling ladder: {len(points)} runs over {len(budgets)} budgets")
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", metadata={"Software": None})
-    plt.close(fig)

@@ -140,17 +140,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         scaler.update(overflow)
         log.step_done(step, scaler, overflow)
         if scaler.enabled or reads_values(step, train):
-            # One host sync for the steps since the last read. Every rank holds the same losses and
-            # norms, so all stop alike; a read comes before every validation and commit, so weights
-            # a non-finite step touched are never evaluated or committed.
-            for unread_step, (loss_value, norm_value), unread_lrs in read_values(unread):
-                if not math.isfinite(loss_value) or not (math.isfinite(norm_value) or scaler.enabled):
-                    committed = (committed_steps(spec.state_dir) or [0])[-1]
-                    raise NonFiniteLossError(
-                        f"step {unread_step}: loss {loss_value} / gradient norm {norm_value} is not "
-                        f"finite; stopped at step {step} (last committed step: {committed})"
-                    )
-                log.values(unread_step, loss_value, norm_value, unread_lrs, scaler)
+            log_unread(unread, step, scaler, log, spec.state_dir)
 
         if ctx.is_main and (step % train.val_interval == 0 or step == train.max_iters):
             generator = batch_generator(train.data_order_seed, step, stream=1)
@@ -160,21 +150,41 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
             )
             log.validation(step, val_loss)
         if step % train.checkpoint_interval == 0 or step == train.max_iters:
-            tokens_seen = step * train.batch_size * context_length
-            save_step_of_run(
-                ctx,
-                spec.state_dir,
-                step,
-                model,
-                optimizer,
-                scaler,
-                described={"tokens_seen": tokens_seen, "model_config": spec.model_config},
-                # The manifest, not the checkpoint (which stays byte-identical), records the wall time.
-                manifest=replace(spec.identity, train_seconds=log.train_seconds()),
-                keep=train.keep_checkpoints,
-            )
-            log.committed(step)
+            commit(ctx, spec, step, model, optimizer, scaler, log)
     log.finish()
+
+
+def commit(ctx: RankContext, spec: RunSpec, step: int, model, optimizer, scaler, log: TrainingLog) -> None:
+    """Commit `step` to the state folder (every rank writes its share), said in the log."""
+    train = spec.cfg.train
+    tokens_seen = step * train.batch_size * spec.model_config["context_length"]
+    save_step_of_run(
+        ctx,
+        spec.state_dir,
+        step,
+        model,
+        optimizer,
+        scaler,
+        described={"tokens_seen": tokens_seen, "model_config": spec.model_config},
+        # The manifest, not the checkpoint (which stays byte-identical), records the wall time.
+        manifest=replace(spec.identity, train_seconds=log.train_seconds()),
+        keep=train.keep_checkpoints,
+    )
+    log.committed(step)
+
+
+def log_unread(unread: list, step: int, scaler: LossScaler, log: TrainingLog, state_dir: str) -> None:
+    """Read the losses and gradient norms since the last read (one host sync), stop at a non-finite
+    one, and log them. Every rank holds the same values, so all stop alike; a read comes before every
+    validation and commit, so weights a non-finite step touched are never evaluated or committed."""
+    for unread_step, (loss_value, norm_value), lrs in read_values(unread):
+        if not math.isfinite(loss_value) or not (math.isfinite(norm_value) or scaler.enabled):
+            committed = (committed_steps(state_dir) or [0])[-1]
+            raise NonFiniteLossError(
+                f"step {unread_step}: loss {loss_value} / gradient norm {norm_value} is not finite; "
+                f"stopped at step {step} (last committed step: {committed})"
+            )
+        log.values(unread_step, loss_value, norm_value, lrs, scaler)
 
 
 def reads_values(step: int, train) -> bool:
@@ -193,17 +203,23 @@ def read_values(unread: list[tuple[int, torch.Tensor, dict]]) -> list[tuple[int,
 
 
 def compile_model(model: Transformer, world_size: int, device: torch.device) -> None:
-    """torch.compile each Transformer block on its own and, on CUDA, the loss region (train.compile).
+    """torch.compile the model for training (train.compile): on one GPU, the whole model with its
+    loss as one graph; otherwise each Transformer block on its own and, on CUDA, the loss region.
 
-    Block by block, so that each block's backward is one autograd node and DDP's buckets start
-    while earlier blocks are still in backward (a whole-model graph would start none before its
-    backward ends); one graph serves every block, and state-dict names stay plain. The loss region
+    With no DDP buckets to start (one GPU), one graph lets Inductor fuse across the embedding, the
+    blocks and the loss. Otherwise block by block, so that each block's backward is one autograd
+    node and DDP's buckets start while earlier blocks are still in backward (a whole-model graph
+    would start none before its backward ends); one graph serves every block, and state-dict names
+    stay plain. The loss region
     (`Transformer.output_loss`: ln_final, the head, the soft-cap and the cross-entropy) is one graph
     with no break in it (fullgraph), where Inductor fuses each chunk's passes over the logits. Not
     on the CPU: there the eager chunks already run in a core's cache, and compiling the region
     costs compile time for no measured gain (bench/RESULTS.md, "The GPU step").
     """
     limit_compile_threads(ranks_on_this_machine(world_size))
+    if device.type == "cuda" and world_size == 1:
+        model.compile()
+        return
     for block in model.layers:
         block.compile()
     if device.type == "cuda":

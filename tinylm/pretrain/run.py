@@ -26,7 +26,7 @@ from tinylm.parallel import launch
 from tinylm.parallel.comm_plan import Link, default_link, plan_communication
 from tinylm.parallel.launch import is_global_rank0, ranks_on_this_machine, resolve_backend
 from tinylm.precision import bf16_cost, dtype_name, native_bf16, resolve_dtype_with_reason
-from tinylm.pretrain.init import find_init
+from tinylm.pretrain.init import Init, find_init
 from tinylm.pretrain.lock import StateLock
 from tinylm.pretrain.log import log_line, set_run_name
 from tinylm.pretrain.loop import RunSpec, train_rank
@@ -201,15 +201,7 @@ def train(
     with StateLock(state_dir) if is_rank0 else contextlib.nullcontext():
         newest = newest_step(state_dir, is_rank0)
         if newest and newest[1].parent != identity.parent:
-            if is_rank0:
-                for step in committed_steps(state_dir):
-                    set_aside(state_dir, step, OTHER_PARENT_SUFFIX)
-                log_line(
-                    True,
-                    f"the committed steps in {state_dir} started from another checkpoint than "
-                    f"{init.checkpoint if init else 'random weights'}: set aside "
-                    f"(step_N{OTHER_PARENT_SUFFIX}), the run starts afresh",
-                )
+            set_aside_other_parent(state_dir, init, is_rank0)
             newest = None
         train_seconds = 0.0  # wall time of training so far, over every resume (for comparisons)
         manifest = newest[1] if newest else Manifest()
@@ -243,6 +235,21 @@ def train(
                 timeout_s=train.timeout_s,
             )
         return publish_run(state_dir, checkpoint_dir) if is_rank0 else []
+
+
+def set_aside_other_parent(state_dir: Path, init: Init | None, is_rank0: bool) -> None:
+    """Set aside the committed steps of a run that started from another checkpoint than `init` (its
+    parent was trained again), said in one line; global rank 0 renames, the others start afresh too."""
+    if not is_rank0:
+        return
+    for step in committed_steps(state_dir):
+        set_aside(state_dir, step, OTHER_PARENT_SUFFIX)
+    log_line(
+        True,
+        f"the committed steps in {state_dir} started from another checkpoint than "
+        f"{init.checkpoint if init else 'random weights'}: set aside (step_N{OTHER_PARENT_SUFFIX}), the "
+        "run starts afresh",
+    )
 
 
 def check_inputs(
