@@ -9,7 +9,7 @@ to its own last step; its cost is its own training time plus the share of `const
 that it needs (the parent's time to K, which every branch at or past K shares). Printed as Markdown
 for bench/RESULTS.md: per length, the branch's and the cosine run's final bits per byte, their
 difference, and the training seconds each took; the figure plots bits per byte against tokens seen:
-`const`'s curve, each branch's decay, and each cosine run's curve.
+`const`'s curve, each branch's decay from its checkpoint, and each cosine run's final point.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plot(compare: pd.DataFrame, path: Path) -> None:
     for run, rows in compare.groupby("run", sort=False):
         rows = rows.sort_values("step")
         if run == "const":
-            label = "const (stable phase)"
+            label = "const (warmup-stable-decay to its last step)"
             ax.plot(rows["tokens_seen"], rows["bits_per_byte"], "k-", marker="o", label=label)
         elif run.startswith("cool"):
             start = int(run.removeprefix("cool"))
@@ -70,8 +70,10 @@ def plot(compare: pd.DataFrame, path: Path) -> None:
             xs = [*const["tokens_seen"], *rows["tokens_seen"]]
             ys = [*const["bits_per_byte"], *rows["bits_per_byte"]]
             ax.plot(xs, ys, "C0-", marker="s", label="decay branches" if start == 400 else None)
-        elif run.startswith("cos"):
-            ax.plot(rows["tokens_seen"], rows["bits_per_byte"], "C3--", marker="^", label=run)
+        elif run.startswith("cos"):  # each cosine run's final checkpoint: the loss at its length
+            last = rows.tail(1)
+            label = "cosine runs, each its own length" if run == "cos500" else None
+            ax.plot(last["tokens_seen"], last["bits_per_byte"], "C3^", markersize=9, label=label)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("bits per byte (held-out plays)")
     ax.legend(fontsize=8)
@@ -86,7 +88,12 @@ def main() -> None:
     parser.add_argument("--figure", type=Path, default=Path("bench/cooldown.png"))
     args = parser.parse_args()
     compare = pd.read_csv(args.compare)
-    print(cooldown_table(compare).to_markdown(index=False, floatfmt=".4f"))
+    table = cooldown_table(compare)
+    print("| " + " | ".join(table.columns) + " |")
+    print("|" + "---:|" * len(table.columns))
+    for row in table.itertuples(index=False):
+        cells = [f"{v:,}" if isinstance(v, int) else f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}" for v in row]
+        print("| " + " | ".join(cells) + " |")
     plot(compare, args.figure)
     print(f"\nfigure: {args.figure}")
 
