@@ -15,8 +15,9 @@ the buffers in place and autograd accumulates every later gradient straight into
 `.grad` that autograd made fresh, after someone set it to None, is copied into the bucket once and
 replaced by the view.) A hook on each parameter runs as soon as autograd has accumulated its
 gradient; once every gradient of a bucket is in, the bucket's communication starts asynchronously,
-so it overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting,
-waits for all of them and divides what this rank holds by the world size in place.
+so it overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting and
+waits for all of them: the gradients are averaged by the collective itself on NCCL (ReduceOp.AVG),
+summed and divided in place by the world size on gloo (which has no AVG).
 
 Two ways to communicate a bucket:
 - all-reduce (the default): afterwards every rank holds every averaged gradient;
