@@ -121,9 +121,9 @@ class TrainConfig:
         more="On one GPU the whole model with its loss is one graph. Under DDP, and on the CPU, each block "
         "is compiled on its own (one compiled graph, reused by every block; two with "
         "`model.value_embeddings`), so that each block's backward is one autograd node and DDP's gradient "
-        "buckets start their communication while "
-        "earlier blocks are still in backward (a whole-model graph would start none before its backward "
-        "ends), and on CUDA the loss region too. Each rank's Inductor gets `cores / ranks on this machine` compile threads (at least 1; "
+        "buckets start their communication while earlier blocks are still in backward (a whole-model "
+        "graph would start none before its backward ends), and on CUDA the loss region too. Each rank's "
+        "Inductor gets `cores / ranks on this machine` compile threads (at least 1; "
         "`TORCHINDUCTOR_COMPILE_THREADS` wins). The first step includes the compilation and its time is "
         "printed. Checkpoints keep plain parameter names. Pays on GPUs and for larger models; on the CPU "
         "measure first (bench/train_step.py)",
