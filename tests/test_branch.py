@@ -244,3 +244,18 @@ def test_a_cooldown_sweep_is_valid_and_each_seed_branches_from_its_own_seed():
     assert parent_of("cool.s1", configs["cool.s1"], configs) == "const.s1"
     assert parent_of("dropout.s0", configs["dropout.s0"], configs) == "default.s0"
     assert json.dumps(sorted(configs))  # every run validated, shape-free keys allowed
+
+
+def test_the_lineage_keys_enter_a_runs_identity_only_when_set():
+    """`init_from` and `init_step` are left out of the weight config while null, so every run made
+    before them keeps its hash (and its state folder); set, they make another run."""
+    from tinylm.config import from_dict, run_hash, weight_config
+
+    raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    plain = from_dict(raw)
+    assert not {"init_from", "init_step"} & set(weight_config(plain)["train"])
+    raw["train"].update(init_from="results/checkpoints", max_iters=2000)
+    branched = from_dict(raw)
+    assert weight_config(branched)["train"]["init_from"] == "results/checkpoints"
+    raw["train"].pop("init_from")
+    assert run_hash(branched) != run_hash(from_dict(raw))

@@ -161,6 +161,22 @@ def test_evaluation_rows_match_brute_force(tmp_path):
         assert row.tokens_seen == row.step * 64
 
 
+def test_checkpoints_scored_in_several_processes_give_the_same_table(tmp_path):
+    """evaluate.processes shares the checkpoints out over spawned processes; each is scored as alone,
+    so the table is the same to the last bit, in step order, and matches brute force."""
+    tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(90, seed=3))
+    ckpt = publish(tmp_path, [2, 4, 6])
+    tokenizer = tiny_tokenizer()
+    alone = evaluate_checkpoints(ckpt, tokens, tokenizer, batch_size=4)
+    shared = evaluate_checkpoints(ckpt, tokens, tokenizer, batch_size=4, processes=2)
+    pd.testing.assert_frame_equal(alone, shared, check_exact=True)
+    assert list(shared["step"]) == [2, 4, 6]
+    per_position = brute_force(tiny_model(6), np.load(tokens), 8, {256})
+    assert math.isclose(
+        shared["val_loss"].iloc[-1], sum(p for _, p in per_position) / len(per_position), rel_tol=1e-5
+    )
+
+
 def test_max_tokens_scores_a_fixed_prefix(tmp_path):
     tokens = valid_tokens(200, seed=2)
     ckpt = publish(tmp_path, [1])

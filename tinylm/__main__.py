@@ -426,8 +426,10 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
 
     e = cfg.evaluate
     torch.set_num_threads(e.threads)
-    _say_threads("evaluate", e.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    processes = e.processes or (1 if device == "cuda" else os.cpu_count() or 1)
+    _say_threads("evaluate", e.threads)
+    print(f"[evaluate] up to {processes} checkpoints at once (evaluate.processes)", file=sys.stderr)
     checkpoint_dir, _ = _checkpoints(cfg, args)
     table = evaluate_checkpoints(
         checkpoint_dir,
@@ -438,6 +440,8 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
         e.max_tokens,
         args.cache_dir,
         progress=sys.stderr.isatty(),
+        processes=processes,
+        threads=e.threads,
     )
     write_eval(table, args.output, args.plot, args.notes or notes_path_for(args.output))
 

@@ -33,8 +33,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from tinylm.data import load_tokens
 from tinylm.eval_table import COLUMNS
 from tinylm.io import atomic_write_text
 from tinylm.nn_utils import row_chunks
-from tinylm.precision import autocast, dtype_name, machine, resolve_dtype
+from tinylm.precision import DTYPES, autocast, dtype_name, machine, resolve_dtype
 from tinylm.progress import Progress
 from tinylm.tokenizer import Tokenizer
 
@@ -168,12 +170,16 @@ def evaluate_checkpoints(
     max_tokens: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
+    processes: int = 1,
+    threads: int = 1,
 ) -> pd.DataFrame:
     """One row per published checkpoint in `checkpoint_dir` (ascending step); see COLUMNS.
 
     Scores the first `max_tokens` validation tokens (default: all). Each checkpoint is verified
     against its manifest and loaded with weights_only=True; validation data must use ids of this
     tokenizer. With `cache_dir`, checkpoints scored before with the same settings are read from it.
+    With `processes` > 1 the checkpoints to score are shared out over that many processes of
+    `threads` torch threads each (spawned; each checkpoint scored exactly as alone).
     """
     steps = published_steps(checkpoint_dir)
     if not steps:
@@ -191,7 +197,8 @@ def evaluate_checkpoints(
     device = torch.device(device)
 
     here = machine(device)
-    rows = []
+    todo = {}  # step -> (its cache key, whether the key may be cached), for the steps to score
+    rows, scored = [], {}
     for step in steps:
         manifest = published_manifest(checkpoint_dir, step)
         # The dtype the run trained in (recorded since train.dtype could be `auto`), else its config's.
@@ -211,32 +218,47 @@ def evaluate_checkpoints(
             "torch": torch.__version__,
             "machine": {k: here[k] for k in ("cpu_capability", "gpu")},  # the kernels decide the bits
         }
-        tokens_seen = manifest.tokens_seen
-        cacheable = key["weights_sha256"] is not None and tokens_seen is not None
+        if manifest.tokens_seen is None:
+            raise CheckpointError(
+                f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                f"tokens_seen (written by an older tinylm: train again to publish it anew)"
+            )
+        cacheable = key["weights_sha256"] is not None
         cached = _read_cache(cache_dir, key) if cacheable else None
         if cached is None:
-            model, _ = load_model(checkpoint_dir, step, device, tokenizer)
-            if tokens_seen is None:
-                raise CheckpointError(
-                    f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
-                    f"tokens_seen (written by an older tinylm: train again to publish it anew)"
-                )
-            scores = score_tokens(
-                model, tokens, model.context_length, batch_size, special_ids, device, dtype, progress
-            )
-            del model
-            if cacheable:
-                _write_cache(cache_dir, key, scores)
-            how = f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}"
+            todo[step] = (key, cacheable, dtype)
         else:
-            scores = cached
-            how = "cached"
-        rows.append(_row(step, int(tokens_seen), scores, stats))
+            scored[step] = (cached, "cached")
+    jobs = [
+        (
+            str(checkpoint_dir),
+            step,
+            str(valid_tokens_path),
+            max_tokens,
+            vocab_size,
+            batch_size,
+            special_ids,
+            str(device),
+            dtype_name(dtype),
+            threads,
+            progress and processes == 1,
+        )
+        for step, (_, _, dtype) in todo.items()
+    ]
+    for step, scores in zip(todo, _score_all(jobs, processes), strict=True):
+        key, cacheable, dtype = todo[step]
+        if cacheable:
+            _write_cache(cache_dir, key, scores)
+        scored[step] = (scores, f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}")
+    for step in steps:
+        scores, how = scored[step]
+        rows.append(_row(step, int(published_manifest(checkpoint_dir, step).tokens_seen), scores, stats))
         print(
             f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
             f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})",
             file=sys.stderr,
         )
+    manifest = published_manifest(checkpoint_dir, steps[-1])
     table = pd.DataFrame(rows, columns=COLUMNS)
     trained_on = manifest.machine  # the newest step's
     table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, trained_on)
@@ -246,6 +268,32 @@ def evaluate_checkpoints(
             f"{manifest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
         )
     return table
+
+
+def _score_step(job: tuple) -> Scores:
+    """Score one checkpoint (a job of `_score_all`): load it and its validation tokens, score them."""
+    (checkpoint_dir, step, tokens_path, max_tokens, vocab_size) = job[:5]
+    (batch_size, special_ids, device, dtype, threads, progress) = job[5:]
+    torch.set_num_threads(threads)
+    tokens = load_tokens(tokens_path)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    model, _ = load_model(checkpoint_dir, step, device)
+    if model.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} differs from "
+            f"the tokenizer's {vocab_size}"
+        )
+    dtype = DTYPES[dtype]
+    return score_tokens(model, tokens, model.context_length, batch_size, special_ids, device, dtype, progress)
+
+
+def _score_all(jobs: list[tuple], processes: int) -> list[Scores]:
+    """The scores of `jobs` in order: in this process, or shared out over `processes` spawned ones."""
+    if processes <= 1 or len(jobs) <= 1:
+        return [_score_step(job) for job in jobs]
+    with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(_score_step, jobs))
 
 
 def _row(step: int, tokens_seen: int, scores: Scores, stats: TokenStats) -> dict:

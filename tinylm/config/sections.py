@@ -168,6 +168,14 @@ class EvaluateConfig:
         more="One by default: at this model size a second thread costs more than it gives, and far more "
         "when another process holds a core (torch's threads spin while they wait; bench/threads.py)",
     )
+    processes: int | None = key(
+        None,
+        lo=1,
+        help="checkpoints scored at once, each in a process of its own with `threads` threads; `null`: one "
+        "per core on the CPU, one on a GPU",
+        more="Each checkpoint is scored exactly as alone (the same threads, the same bits), so eval.csv does "
+        "not depend on it",
+    )
     max_tokens: int | None = key(
         None,
         lo=2,

@@ -21,7 +21,8 @@ rule evaluate:
         "results/{run_dir}logs/evaluate.log",
     benchmark:
         "results/{run_dir}benchmarks/evaluate.tsv"
-    threads: lambda wildcards: run_cfg(wildcards).evaluate.threads
+    # evaluate.threads per process, evaluate.processes checkpoints at once (null: every core)
+    threads: lambda wildcards: run_cfg(wildcards).evaluate.threads * (run_cfg(wildcards).evaluate.processes or workflow.cores)
     resources:
         gpu=one_gpu,
         mem_mb=2000,
