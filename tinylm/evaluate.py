@@ -47,6 +47,7 @@ import torch
 from tinylm.checkpoint import CheckpointError, load_model, published_manifest, published_steps
 from tinylm.data import load_tokens
 from tinylm.eval_table import COLUMNS
+from tinylm.flops import flops_per_token
 from tinylm.io import atomic_write_text
 from tinylm.nn_utils import row_chunks
 from tinylm.precision import DTYPES, autocast, dtype_name, machine, resolve_dtype
@@ -179,7 +180,8 @@ def evaluate_checkpoints(
     against its manifest and loaded with weights_only=True; validation data must use ids of this
     tokenizer. With `cache_dir`, checkpoints scored before with the same settings are read from it.
     With `processes` > 1 the checkpoints to score are shared out over that many processes of
-    `threads` torch threads each (spawned; each checkpoint scored exactly as alone).
+    `threads` torch threads each (spawned; each checkpoint scored exactly as alone), when scoring one
+    costs more than starting a process (SPAWN_FLOPS).
     """
     steps = published_steps(checkpoint_dir)
     if not steps:
@@ -245,6 +247,10 @@ def evaluate_checkpoints(
         )
         for step, (_, _, dtype) in todo.items()
     ]
+    model_config = published_manifest(checkpoint_dir, steps[-1]).model_config or {}
+    forward_flops = flops_per_token(model_config) / 3 * stats.num_tokens if model_config else 0.0
+    if forward_flops < SPAWN_FLOPS:  # a checkpoint scores faster than a process starts
+        processes = 1
     for step, scores in zip(todo, _score_all(jobs, processes), strict=True):
         key, cacheable, dtype = todo[step]
         if cacheable:
@@ -268,6 +274,11 @@ def evaluate_checkpoints(
             f"{manifest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
         )
     return table
+
+
+# A spawned process costs a few seconds to start (it imports torch): worth it only for checkpoints
+# whose scoring costs more, about this many forward FLOPs on one core.
+SPAWN_FLOPS = 1e11
 
 
 def _score_step(job: tuple) -> Scores:
