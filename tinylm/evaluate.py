@@ -39,6 +39,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -199,40 +200,23 @@ def evaluate_checkpoints(
     device = torch.device(device)
 
     here = machine(device)
-    todo = {}  # step -> (its cache key, whether the key may be cached), for the steps to score
-    rows, scored = [], {}
-    for step in steps:
-        manifest = published_manifest(checkpoint_dir, step)
-        # The dtype the run trained in (recorded since train.dtype could be `auto`), else its config's.
-        train_dtype = manifest.dtype or ((manifest.config or {}).get("train") or {}).get("dtype", "float32")
-        dtype = resolve_dtype(train_dtype, device) if device.type == "cuda" else torch.float32
-        # The manifest names the weights (recorded while they were written) and the tokens seen, so
-        # a checkpoint scored before is found without reading a byte of it.
-        key = {
-            "version": CACHE_VERSION,
-            "weights_sha256": manifest.weights_sha256,
-            "tokens_sha256": stats.sha256,
-            "num_tokens": stats.num_tokens,
-            "special_ids": special_ids,
-            "batch_size": batch_size,
-            "device": device.type,
-            "dtype": dtype_name(dtype),
-            "torch": torch.__version__,
-            "machine": {k: here[k] for k in ("cpu_capability", "gpu")},  # the kernels decide the bits
-        }
+    manifests = {step: published_manifest(checkpoint_dir, step) for step in steps}
+    scored, todo = {}, {}  # step -> (scores, how); step -> (cache key, dtype) of the steps to score
+    for step, manifest in manifests.items():
         if manifest.tokens_seen is None:
             raise CheckpointError(
                 f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
                 f"tokens_seen (written by an older tinylm: train again to publish it anew)"
             )
-        cacheable = key["weights_sha256"] is not None
-        cached = _read_cache(cache_dir, key) if cacheable else None
+        dtype = _eval_dtype(manifest, device)
+        key = _cache_key(manifest, stats, special_ids, batch_size, device, dtype, here)
+        cached = _read_cache(cache_dir, key) if key["weights_sha256"] is not None else None
         if cached is None:
-            todo[step] = (key, cacheable, dtype)
+            todo[step] = (key, dtype)
         else:
             scored[step] = (cached, "cached")
     jobs = [
-        (
+        ScoreJob(
             str(checkpoint_dir),
             step,
             str(valid_tokens_path),
@@ -245,35 +229,79 @@ def evaluate_checkpoints(
             threads,
             progress and processes == 1,
         )
-        for step, (_, _, dtype) in todo.items()
+        for step, (_, dtype) in todo.items()
     ]
-    model_config = published_manifest(checkpoint_dir, steps[-1]).model_config or {}
+    model_config = manifests[steps[-1]].model_config or {}
     forward_flops = flops_per_token(model_config) / 3 * stats.num_tokens if model_config else 0.0
     if forward_flops < SPAWN_FLOPS:  # a checkpoint scores faster than a process starts
         processes = 1
-    for step, scores in zip(todo, _score_all(jobs, processes), strict=True):
-        key, cacheable, dtype = todo[step]
-        if cacheable:
+    for (step, (key, dtype)), scores in zip(todo.items(), _score_all(jobs, processes), strict=True):
+        if key["weights_sha256"] is not None:
             _write_cache(cache_dir, key, scores)
         scored[step] = (scores, f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}")
+    rows = []
     for step in steps:
         scores, how = scored[step]
-        rows.append(_row(step, int(published_manifest(checkpoint_dir, step).tokens_seen), scores, stats))
+        rows.append(_row(step, int(manifests[step].tokens_seen), scores, stats))
         print(
             f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
             f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})",
             file=sys.stderr,
         )
-    manifest = published_manifest(checkpoint_dir, steps[-1])
     table = pd.DataFrame(rows, columns=COLUMNS)
-    trained_on = manifest.machine  # the newest step's
-    table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, trained_on)
-    if manifest.parent is not None:  # a run that started from another's checkpoint (train.init_from)
+    newest = manifests[steps[-1]]
+    table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, newest.machine)
+    if newest.parent is not None:  # a run that started from another's checkpoint (train.init_from)
         table.attrs["notes"].append(
-            f"started from: {manifest.parent_checkpoint} (step {manifest.parent['step']}, weights sha256 "
-            f"{manifest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
+            f"started from: {newest.parent_checkpoint} (step {newest.parent['step']}, weights sha256 "
+            f"{newest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
         )
     return table
+
+
+def _eval_dtype(manifest, device: torch.device) -> torch.dtype:
+    """float32 on the CPU; on CUDA the dtype the run trained in (recorded since train.dtype could be
+    `auto`), else its config's."""
+    if device.type != "cuda":
+        return torch.float32
+    return resolve_dtype(
+        manifest.dtype or ((manifest.config or {}).get("train") or {}).get("dtype", "float32"), device
+    )
+
+
+def _cache_key(
+    manifest, stats, special_ids, batch_size: int, device: torch.device, dtype, here: dict
+) -> dict:
+    """What decides a checkpoint's scores. The manifest names the weights (recorded while they were
+    written), so a checkpoint scored before is found without reading a byte of it."""
+    return {
+        "version": CACHE_VERSION,
+        "weights_sha256": manifest.weights_sha256,
+        "tokens_sha256": stats.sha256,
+        "num_tokens": stats.num_tokens,
+        "special_ids": special_ids,
+        "batch_size": batch_size,
+        "device": device.type,
+        "dtype": dtype_name(dtype),
+        "torch": torch.__version__,
+        "machine": {k: here[k] for k in ("cpu_capability", "gpu")},  # the kernels decide the bits
+    }
+
+
+class ScoreJob(NamedTuple):
+    """One checkpoint to score, in plain values (it may go to another process)."""
+
+    checkpoint_dir: str
+    step: int
+    tokens_path: str
+    max_tokens: int | None
+    vocab_size: int
+    batch_size: int
+    special_ids: list[int]
+    device: str
+    dtype: str
+    threads: int
+    progress: bool
 
 
 # A spawned process costs a few seconds to start (it imports torch): worth it only for checkpoints
@@ -281,25 +309,31 @@ def evaluate_checkpoints(
 SPAWN_FLOPS = 1e11
 
 
-def _score_step(job: tuple) -> Scores:
-    """Score one checkpoint (a job of `_score_all`): load it and its validation tokens, score them."""
-    (checkpoint_dir, step, tokens_path, max_tokens, vocab_size) = job[:5]
-    (batch_size, special_ids, device, dtype, threads, progress) = job[5:]
-    torch.set_num_threads(threads)
-    tokens = load_tokens(tokens_path)
-    if max_tokens is not None:
-        tokens = tokens[:max_tokens]
-    model, _ = load_model(checkpoint_dir, step, device)
-    if model.vocab_size != vocab_size:
+def _score_step(job: ScoreJob) -> Scores:
+    """Score one checkpoint: load it and its validation tokens, score them."""
+    torch.set_num_threads(job.threads)
+    tokens = load_tokens(job.tokens_path)
+    if job.max_tokens is not None:
+        tokens = tokens[: job.max_tokens]
+    model, _ = load_model(job.checkpoint_dir, job.step, job.device)
+    if model.vocab_size != job.vocab_size:
         raise CheckpointError(
-            f"{Path(checkpoint_dir) / f'step_{step}.pt'}: model vocabulary {model.vocab_size} differs from "
-            f"the tokenizer's {vocab_size}"
+            f"{Path(job.checkpoint_dir) / f'step_{job.step}.pt'}: model vocabulary {model.vocab_size} "
+            f"differs from the tokenizer's {job.vocab_size}"
         )
-    dtype = DTYPES[dtype]
-    return score_tokens(model, tokens, model.context_length, batch_size, special_ids, device, dtype, progress)
+    return score_tokens(
+        model,
+        tokens,
+        model.context_length,
+        job.batch_size,
+        job.special_ids,
+        job.device,
+        DTYPES[job.dtype],
+        job.progress,
+    )
 
 
-def _score_all(jobs: list[tuple], processes: int) -> list[Scores]:
+def _score_all(jobs: list[ScoreJob], processes: int) -> list[Scores]:
     """The scores of `jobs` in order: in this process, or shared out over `processes` spawned ones."""
     if processes <= 1 or len(jobs) <= 1:
         return [_score_step(job) for job in jobs]
