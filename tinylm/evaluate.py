@@ -203,14 +203,10 @@ def evaluate_checkpoints(
     manifests = {step: published_manifest(checkpoint_dir, step) for step in steps}
     scored, todo = {}, {}  # step -> (scores, how); step -> (cache key, dtype) of the steps to score
     for step, manifest in manifests.items():
-        if manifest.tokens_seen is None:
-            raise CheckpointError(
-                f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
-                f"tokens_seen (written by an older tinylm: train again to publish it anew)"
-            )
         dtype = _eval_dtype(manifest, device)
         key = _cache_key(manifest, stats, special_ids, batch_size, device, dtype, here)
-        cached = _read_cache(cache_dir, key) if key["weights_sha256"] is not None else None
+        cacheable = key["weights_sha256"] is not None and manifest.tokens_seen is not None
+        cached = _read_cache(cache_dir, key) if cacheable else None
         if cached is None:
             todo[step] = (key, dtype)
         else:
@@ -236,12 +232,17 @@ def evaluate_checkpoints(
     if forward_flops < SPAWN_FLOPS:  # a checkpoint scores faster than a process starts
         processes = 1
     for (step, (key, dtype)), scores in zip(todo.items(), _score_all(jobs, processes), strict=True):
-        if key["weights_sha256"] is not None:
+        if key["weights_sha256"] is not None and manifests[step].tokens_seen is not None:
             _write_cache(cache_dir, key, scores)
         scored[step] = (scores, f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}")
     rows = []
     for step in steps:
         scores, how = scored[step]
+        if manifests[step].tokens_seen is None:  # said after the checkpoint was read (and checked)
+            raise CheckpointError(
+                f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                f"tokens_seen (written by an older tinylm: train again to publish it anew)"
+            )
         rows.append(_row(step, int(manifests[step].tokens_seen), scores, stats))
         print(
             f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
