@@ -167,9 +167,14 @@ def test_checkpoints_scored_in_several_processes_give_the_same_table(tmp_path, m
     tokens = write_tokens(tmp_path / "valid.npy", valid_tokens(90, seed=3))
     ckpt = publish(tmp_path, [2, 4, 6])
     tokenizer = tiny_tokenizer()
-    alone = evaluate_checkpoints(ckpt, tokens, tokenizer, batch_size=4)
+    used = []  # the processes each evaluation scored its checkpoints with
+    score_all = evaluation._score_all
+    monkeypatch.setattr(evaluation, "_score_all", lambda jobs, n: used.append(n) or score_all(jobs, n))
+    alone = evaluate_checkpoints(ckpt, tokens, tokenizer, batch_size=4, processes=2)
+    assert used == [1]  # a tiny model scores faster than a process starts: in this process
     monkeypatch.setattr(evaluation, "SPAWN_FLOPS", 0.0)  # spawn even for these tiny models
     shared = evaluate_checkpoints(ckpt, tokens, tokenizer, batch_size=4, processes=2)
+    assert used == [1, 2]
     pd.testing.assert_frame_equal(alone, shared, check_exact=True)
     assert list(shared["step"]) == [2, 4, 6]
     per_position = brute_force(tiny_model(6), np.load(tokens), 8, {256})

@@ -70,7 +70,7 @@ def config_arguments(p: argparse.ArgumentParser) -> None:
 
 def checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """--tokenizer, --checkpoint-dir and --state-dir: what evaluate, generate, sample and export read."""
-    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
     p.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -145,7 +145,7 @@ def _checkpoints(
     """
     import torch
 
-    from tinylm.checkpoint import check_tokenizer, published_file, published_run
+    from tinylm.checkpoint import check_tokenizer, published_file
     from tinylm.locate import checkpoints_of_config, warn_if_other_machine
 
     if args.checkpoint_dir is not None and not Path(args.checkpoint_dir).is_dir():
@@ -160,16 +160,15 @@ def _checkpoints(
     else:
         sections = args.weight_sections
     checkpoint_dir = args.checkpoint_dir or f"{RESULTS}/checkpoints"
-    folder, step, lines = checkpoints_of_config(
+    folder, step, manifest, lines = checkpoints_of_config(
         checkpoint_dir, state_dir, step, cfg, sections, args.config_name, step_option
     )
     for line in lines:
         print(f"[{args.stage}] {line}", file=sys.stderr, flush=True)
-    manifests = published_run(folder)
-    if step in manifests:
-        check_tokenizer(manifests[step], args.tokenizer, published_file(folder, step))
+    if manifest is not None:
+        check_tokenizer(manifest, args.tokenizer, published_file(folder, step))
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        warn_if_other_machine(args.stage, published_file(folder, step), manifests[step], device)
+        warn_if_other_machine(args.stage, published_file(folder, step), manifest, device)
     return str(folder), step
 
 
@@ -192,7 +191,7 @@ def cmd_corpus(cfg: Config, args: argparse.Namespace) -> None:
 
 def train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", default=f"{RESULTS}/corpus/train.txt")
-    p.add_argument("--output", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--output", default=DEFAULT_TOKENIZER)
 
 
 @stage("train-tokenizer", "train.txt -> byte-level BPE tokenizer.json", train_tokenizer_arguments)
@@ -211,7 +210,7 @@ def cmd_train_tokenizer(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def encode_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokenizer", default=f"{RESULTS}/tokenizer/tokenizer.json")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
     p.add_argument("--input", nargs="+", default=[f"{RESULTS}/corpus/{split}.txt" for split in SPLITS])
     p.add_argument("--output", nargs="+", default=[f"{RESULTS}/tokens/{split}.npy" for split in SPLITS])
 
@@ -646,10 +645,11 @@ def config_show_arguments(p: argparse.ArgumentParser) -> None:
 )
 def cmd_config(cfg: Config | None, args: argparse.Namespace) -> None:
     """`config --show [FILE]`: the resolved config as YAML, each key with where its value came from."""
-    from tinylm.config import run_configs
-    from tinylm.config.merging import config_layers, merge_onto, value_sources
+    from tinylm.config import DEFAULT_RUN
+    from tinylm.config.merging import resolve_runs, value_sources
 
-    cfg, layers = resolve_config(args.show)
+    runs, layers = resolve_runs(args.show)
+    cfg = runs[DEFAULT_RUN]
     lines = [f"# {describe_layers(layers)}"]
     rows = value_sources(layers, cfg)
     width = max(len(f"  {key.split('.', 1)[1]}: {json.dumps(value)}") for key, value, _ in rows)
@@ -660,10 +660,7 @@ def cmd_config(cfg: Config | None, args: argparse.Namespace) -> None:
             lines.append(f"{name}:")
             section = name
         lines.append(f"{f'  {field}: {json.dumps(value)}':<{width}}  # {source}")
-    raw = {}
-    for _, layer in config_layers(args.show):
-        raw = merge_onto(raw, layer)
-    named = [run for run in run_configs(raw) if run != "default"]
+    named = [run for run in runs if run != DEFAULT_RUN]
     if named:
         lines.append(f"# runs (each the config above with its overrides): {', '.join(named)}")
     print("\n".join(lines))

@@ -94,8 +94,9 @@ def checkpoints_of_config(
     sections: tuple[str, ...],
     config_name: str,
     step_option: str = "step",
-) -> tuple[Path, int | None, list[str]]:
-    """(folder, step, lines to say): the checkpoints of the run `cfg` describes, or an error.
+) -> tuple[Path, int | None, Manifest | None, list[str]]:
+    """(folder, step, its manifest, lines to say): the checkpoints of the run `cfg` describes, or an
+    error.
 
     `find_checkpoints` picks the folder; when it is `checkpoint_dir` but that folder holds another
     run (its newest step differs from `cfg` in a key of `sections`) while the state folder holds
@@ -120,7 +121,7 @@ def checkpoints_of_config(
                 f"run it describes from {state_published}"
             ]
     if not manifests:
-        return folder, step, lines  # the loader names the folder that has none
+        return folder, step, None, lines  # the loader names the folder that has none
     if step is None:
         step = max(manifests)
     if step not in manifests:
@@ -137,7 +138,7 @@ def checkpoints_of_config(
             f"{Path(folder) / f'step_{step}.pt'} was trained with another config than {config_name}: "
             f"{'; '.join(differences)}; {where}"
         )
-    return folder, step, lines
+    return folder, step, manifests[step], lines
 
 
 def warn_if_other_machine(stage: str, checkpoint: str | os.PathLike, manifest: Manifest, device) -> list[str]:

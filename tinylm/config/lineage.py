@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tinylm.config.constants import DEFAULT_RUN
 from tinylm.config.sections import Config
 from tinylm.keys import ConfigError
 
@@ -20,7 +21,6 @@ from tinylm.keys import ConfigError
 SHAPE_FREE_MODEL_KEYS = frozenset(
     {"context_length", "rope_theta", "dropout", "logit_softcap", "zero_init_output"}
 )
-DEFAULT_RUN = "default"
 
 
 def names_a_folder(init_from: str) -> bool:

@@ -49,9 +49,10 @@ def config_layers(path: str | Path) -> list[tuple[str, dict]]:
     return layers
 
 
-def resolve_config(path: str | Path) -> tuple[Config, list[tuple[str, dict]]]:
-    """The main config (the run "default") of `path` merged onto config/config.yaml, validated with
-    its `runs:`, and the layers it came from. An error names the file that set the key it names."""
+def resolve_runs(path: str | Path) -> tuple[dict[str, Config], list[tuple[str, dict]]]:
+    """Every run of `path` merged onto config/config.yaml (`run_configs`: the main config is the run
+    "default"), validated, and the layers it came from. An error names the file that set the key it
+    names."""
     layers = config_layers(path)
     raw: dict = {}
     for name, layer in layers:
@@ -59,9 +60,15 @@ def resolve_config(path: str | Path) -> tuple[Config, list[tuple[str, dict]]]:
             raise ConfigError(f"{name}: expected a mapping of sections, got {type(layer).__name__}")
         raw = merge_onto(raw, layer)
     try:
-        return run_configs(raw)[DEFAULT_RUN], layers
+        return run_configs(raw), layers
     except ConfigError as e:
         raise ConfigError(f"{_file_of(str(e), layers)}: {e}") from None
+
+
+def resolve_config(path: str | Path) -> tuple[Config, list[tuple[str, dict]]]:
+    """The main config (the run "default") of `path` (see `resolve_runs`) and its layers."""
+    runs, layers = resolve_runs(path)
+    return runs[DEFAULT_RUN], layers
 
 
 def _file_of(message: str, layers: list[tuple[str, dict]]) -> str:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tinylm.config.constants import DEFAULT_RUN
 from tinylm.config.ladder import LADDER_KEY, LadderPlan, ladder_plan
 from tinylm.config.lineage import check_lineage
 from tinylm.config.loading import from_dict, read_config_file
@@ -18,7 +19,6 @@ from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
 from tinylm.keys import ConfigError
 
-DEFAULT_RUN = "default"
 RESULTS = "results"  # where the workflow and the stages put their artifacts, relative to the project
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 SEEDS_KEY = "seeds"  # the top-level key that repeats every run once per seed

@@ -21,8 +21,8 @@ import torch
 
 from tinylm.checkpoint import CheckpointReader, file_entry, published_file, published_run, read_manifest
 from tinylm.checkpoint.published import read_model_state
-from tinylm.config import RESULTS, Config
-from tinylm.config.lineage import DEFAULT_RUN, names_a_folder, shape_differences
+from tinylm.config import DEFAULT_RUN, RESULTS, Config
+from tinylm.config.lineage import names_a_folder, shape_differences
 
 
 @dataclass(frozen=True)
