@@ -295,3 +295,30 @@ def test_softcap_is_autograd_through_the_formula_bit_for_bit(monkeypatch, dtype)
         assert capped.dtype == dtype and capped.shape == logits.shape
         assert torch.equal(capped, expected) and torch.equal(z.grad, reference.grad)
     assert capped.abs().max() <= 7.0
+
+
+# Under torch.compile the fused path's backward is one pointwise expression over the saved
+# logsumexp: Inductor makes it one kernel (the logits read once, the gradient written once), and it
+# is the formula's gradient up to rounding, as the eager fused path is.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_fused_cross_entropy_backward_is_one_kernel_and_the_formula(dtype):
+    from torch._inductor import config as inductor_config
+    from torch._inductor import metrics
+
+    torch.manual_seed(0)
+    vocab = 301
+    logits = (torch.randn(4, 33, vocab) * 30).to(dtype)
+    targets = torch.randint(0, vocab, (4, 33))
+    reference = logits.clone().requires_grad_()
+    cross_entropy(reference, targets, fused=False).backward()
+    compiled = torch.compile(lambda z, y: cross_entropy(z, y, fused=True), fullgraph=True)
+    leaf = logits.clone().requires_grad_()
+    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
+        loss = compiled(leaf, targets)
+        metrics.reset()
+        loss.backward()
+        assert metrics.generated_kernel_count == 1
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(leaf.grad.double(), reference.grad.double(), rtol=4 * ulp, atol=ulp / (4 * 33))
+    expected = F.cross_entropy(logits.double().reshape(-1, vocab), targets.reshape(-1))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)

@@ -34,7 +34,10 @@ def cross_entropy(
     `fused` (default: on CUDA): each chunk through torch's log-softmax forward and softmax backward,
     one kernel that reads the logits once and writes float32 instead of the formula's five passes
     forward and seven backward; the same loss and gradients up to float rounding (tests/test_nn_utils.py
-    holds it to the formula, which is the reference and the CPU's path).
+    holds it to the formula, which is the reference and the CPU's path). Under torch.compile the
+    formula itself is used, which Inductor fuses: its backward is then one pointwise expression,
+    exp(z - m - log_sum) minus a one-hot, scaled, one kernel that reads the logits once and writes
+    the gradient once.
     """
     if fused is None:
         fused = logits.device.type == "cuda"
@@ -86,8 +89,9 @@ class _CrossEntropy(torch.autograd.Function):
             raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
         y = targets.reshape(-1, 1).long()  # [N, 1]
-        ctx.chunk_bytes, ctx.fused = chunk_bytes, fused
-        if fused:  # backward recomputes the softmax whole: nothing but the inputs to keep
+        # Under torch.compile the formula below is fused by Inductor, and backward is one expression.
+        ctx.chunk_bytes, ctx.fused = chunk_bytes, fused and not torch.compiler.is_compiling()
+        if ctx.fused:  # backward recomputes the softmax whole: nothing but the inputs to keep
             wide = torch.promote_types(flat.dtype, torch.float32)
             losses = [
                 -F.log_softmax(flat[rows], dim=-1, dtype=wide).gather(-1, y[rows])
@@ -111,8 +115,10 @@ class _CrossEntropy(torch.autograd.Function):
         logits, targets, *stats = ctx.saved_tensors
         flat = logits.reshape(-1, logits.shape[-1])
         y = targets.reshape(-1).long()
-        grad = torch.empty_like(flat)  # in the logits' dtype
         scale = grad_loss / y.shape[0]
+        if torch.compiler.is_compiling() and stats:
+            return _one_pass_gradient(flat, y, *stats, scale).reshape(logits.shape), None, None, None
+        grad = torch.empty_like(flat)  # in the logits' dtype
         for rows in row_chunks(*flat.shape, flat.device, ctx.chunk_bytes):
             if ctx.fused:
                 chunk = F.softmax(flat[rows], dim=-1, dtype=torch.promote_types(flat.dtype, torch.float32))
@@ -122,6 +128,22 @@ class _CrossEntropy(torch.autograd.Function):
             chunk[torch.arange(len(chunk), device=y.device), y[rows]] -= 1.0
             torch.mul(chunk, scale, out=grad[rows])  # scaled and cast to the logits' dtype in one pass
         return grad.reshape(logits.shape), None, None, None
+
+
+def _one_pass_gradient(
+    flat: torch.Tensor, y: torch.Tensor, m: torch.Tensor, log_sum: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """(softmax(z) - onehot(y)) * scale in the logits' dtype, as one pointwise expression.
+
+    flat: [N, V] logits, y: [N] targets, m and log_sum: [N, 1] (at least float32) from the forward,
+    scale: 0-d. softmax(z) = exp(z - m - log_sum) needs no reduction once they are known, and the
+    one-hot is a comparison rather than a scatter, so nothing stops Inductor from making the whole
+    expression one kernel: the logits read once, the gradient written once, no [N, V] float32
+    temporary. The same float32 operations as the formula's backward, element for element.
+    """
+    onehot = torch.arange(flat.shape[-1], device=flat.device) == y[:, None]
+    p = (_at_least_float32(flat) - m).sub(log_sum).exp()
+    return (p - onehot.to(p.dtype)).mul(scale).to(flat.dtype)
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
