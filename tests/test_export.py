@@ -317,8 +317,10 @@ EXPORTABLE = [
     {"mlp": "geglu"},
     {"qk_norm": True},
     {"embedding_norm": True},
+    {"pad_vocab_to_multiple": 128},
     {
         "tie_embeddings": True,
+        "pad_vocab_to_multiple": 128,
         "embedding_norm": True,
         "qk_norm": True,
         "zero_init_output": True,

@@ -33,6 +33,7 @@ OFF = dict(
     value_embeddings=False,
     dropout=0.0,
     embedding_norm=False,
+    pad_vocab_to_multiple=1,
 )
 ALL_ON = dict(
     qk_norm=True,
@@ -43,6 +44,7 @@ ALL_ON = dict(
     value_embeddings=True,
     dropout=0.2,
     embedding_norm=True,
+    pad_vocab_to_multiple=48,
 )
 EPS = 1e-5  # every RMSNorm's
 
@@ -127,6 +129,7 @@ def reference_logits(
             mlp = F.linear(F.relu(F.linear(h, w[p + "ffn.w_in.weight"])) ** 2, w[p + "ffn.w_out.weight"])
         x = x + drop(mlp)
     logits = F.linear(F.rms_norm(x, (d,), w["ln_final.weight"], EPS), w["lm_head.weight"])
+    logits = logits[..., : c["vocab_size"]]  # the padding rows' logits are no prediction
     if c["logit_softcap"] is not None:
         logits = c["logit_softcap"] * torch.tanh(logits / c["logit_softcap"])
     return logits
@@ -207,6 +210,8 @@ def test_the_config_rebuilds_a_model_with_every_option():
         {"value_embeddings": True, "num_layers": 2},
         {"embedding_norm": True},
         {"zero_init_output": True, "dropout": 0.2},  # in eval mode: no dropout
+        {"pad_vocab_to_multiple": 48},
+        {"pad_vocab_to_multiple": 48, "tie_embeddings": True},
         ALL_ON,
     ],
     ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()) or "plain",
@@ -441,6 +446,7 @@ REFUSED = [
     ("logit_softcap", -5.0, "> 0"),
     ("dropout", 1.0, "1"),
     ("dropout", -0.1, "0"),
+    ("pad_vocab_to_multiple", 0, ">= 1"),
 ]
 
 
@@ -484,3 +490,56 @@ def test_a_tied_head_has_no_learning_rate_of_its_own():
         from_dict(raw)
     raw["train"]["head_lr"] = None
     from_dict(raw)
+
+
+# ---------------------------------------------------------------- the padded vocabulary
+
+
+def test_padding_rows_never_reach_the_logits_the_loss_or_their_gradients():
+    padded = jitter(build(pad_vocab_to_multiple=48))
+    V = TINY["vocab_size"]
+    assert padded.lm_head.weight.shape[0] == padded.token_embeddings.weight.shape[0] == 96
+    with torch.no_grad():  # rows no token looks up and no prediction reads: any value at all
+        padded.lm_head.weight[V:] = 1e4
+        padded.token_embeddings.weight[V:] = float("nan")
+    plain = build()
+    plain.load_state_dict(
+        {
+            name: t[:V] if name in ("lm_head.weight", "token_embeddings.weight") else t
+            for name, t in padded.state_dict().items()
+        }
+    )
+    ids, targets = token_ids(seed=5), token_ids(seed=6)
+    logits = padded(ids)
+    assert logits.shape == (*ids.shape, V)
+    torch.testing.assert_close(logits, plain(ids), rtol=1e-6, atol=1e-6)
+    loss = padded(ids, targets=targets)
+    torch.testing.assert_close(loss, F.cross_entropy(plain(ids).reshape(-1, V), targets.reshape(-1)))
+    loss.backward()
+    assert torch.equal(padded.lm_head.weight.grad[V:], torch.zeros(96 - V, TINY["d_model"]))
+    assert torch.equal(padded.token_embeddings.weight.grad[V:], torch.zeros(96 - V, TINY["d_model"]))
+    assert padded.lm_head.weight.grad[:V].abs().sum() > 0
+
+
+def test_sampling_from_a_padded_model_gives_only_tokens_of_the_vocabulary():
+    from tinylm.generating import generate, generate_reference
+
+    model = jitter(build(pad_vocab_to_multiple=48)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[TINY["vocab_size"] :] = 100.0  # would win every draw if it were a logit
+    for sampler in (generate, generate_reference):
+        ids = sampler(model, [1, 2, 3], 40, TINY["context_length"], generator=torch.Generator().manual_seed(0))
+        assert len(ids) == 40 and max(ids) < TINY["vocab_size"]
+
+
+def test_the_flops_count_the_padded_head_that_is_multiplied():
+    from tinylm.flops import matmul_weights
+
+    padded, plain = build(pad_vocab_to_multiple=48), build()
+    matmuls = {
+        name: model.lm_head.weight.numel()
+        + sum(p.numel() for n, p in model.layers.named_parameters() if p.dim() == 2)
+        for name, model in (("padded", padded), ("plain", plain))
+    }
+    assert matmul_weights(padded.config) == matmuls["padded"] == matmuls["plain"] + 32 * TINY["d_model"]
+    assert matmul_weights(plain.config) == matmuls["plain"]

@@ -29,6 +29,7 @@ The model options (tinylm.model.Transformer) map as follows:
   lookup of the normalised row (with tie_embeddings the folder is then untied: the head keeps the
   plain matrix); float32 only, as a rounded normalised table is not our model with rounded weights;
 - zero_init_output and dropout: nothing (an initialisation; off at inference);
+- pad_vocab_to_multiple: the padding rows of the embedding table and the head are left out;
 - mlp geglu: `hidden_act: gelu` (Llama's gated MLP with another activation);
 - mlp relu2, logit_softcap and value_embeddings have no place in a Llama folder: refused.
 
@@ -149,7 +150,8 @@ def llama_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> 
     check_exportable(model.config)
     ours = model.state_dict()
     num_heads = model.config["num_heads"]
-    embeddings = ours["token_embeddings.weight"]
+    vocab_size = model.vocab_size  # the padding rows (pad_vocab_to_multiple) are left out
+    embeddings = ours["token_embeddings.weight"][:vocab_size]
     if model.embedding_norm is not None:
         if dtype != torch.float32:  # rounding the normalised table is not rounding our weights
             raise ExportError(
@@ -177,7 +179,7 @@ def llama_state_dict(model: Transformer, dtype: torch.dtype = torch.float32) -> 
         out[dst + "post_attention_layernorm.weight"] = ours[src + "ln2.weight"]
     out["model.norm.weight"] = ours["ln_final.weight"]
     if not tied_in_folder(model.config):
-        out["lm_head.weight"] = ours["lm_head.weight"]
+        out["lm_head.weight"] = ours["lm_head.weight"][:vocab_size]
     # Own, contiguous storage for each (safetensors refuses views that share memory).
     return {
         name: t.detach().to(dtype).clone(memory_format=torch.contiguous_format) for name, t in out.items()

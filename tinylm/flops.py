@@ -17,10 +17,12 @@ from __future__ import annotations
 
 def matmul_weights(model_config: dict) -> int:
     """Weights of the matmuls (N in C = 6 N D): each block's attention projections (4 d^2) and SwiGLU
-    MLP (3 d d_ff), and the output head (d vocab). `model_config` needs d_model, num_layers, d_ff and
-    vocab_size."""
+    MLP (3 d d_ff), and the output head (d vocab, its padding rows included: they are multiplied).
+    `model_config` needs d_model, num_layers, d_ff and vocab_size (pad_vocab_to_multiple: 1 if absent)."""
     d, L = model_config["d_model"], model_config["num_layers"]
-    return L * (4 * d * d + 3 * d * model_config["d_ff"]) + d * model_config["vocab_size"]
+    multiple = model_config.get("pad_vocab_to_multiple", 1)
+    head_rows = -(-model_config["vocab_size"] // multiple) * multiple
+    return L * (4 * d * d + 3 * d * model_config["d_ff"]) + d * head_rows
 
 
 def flops_per_token(model_config: dict) -> float:

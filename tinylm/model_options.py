@@ -82,6 +82,21 @@ class ModelOptions:
         more="Exported (in float32) folded into the embedding table: a lookup of normalised rows",
     )
 
+    pad_vocab_to_multiple: int = key(
+        1,
+        lo=1,
+        help="the embedding and head rows padded to a multiple of this (the GPU recipes set 128); 1 = none",
+        more="A head of 10,000 rows is an unaligned matmul on a GPU; padded to 10,112 it is not. The "
+        "padding rows are never looked up and their logits are cut off before the loss, evaluation, "
+        "sampling and export see them, so the model predicts exactly `tokenizer.vocab_size` tokens. "
+        "Padding changes the weights' shapes (and the head's initial std), so it is part of the run",
+    )
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """The rows of the embedding table and the output head: vocab_size rounded up to a multiple
+        of pad_vocab_to_multiple."""
+        return -(-vocab_size // self.pad_vocab_to_multiple) * self.pad_vocab_to_multiple
+
     def check(self, num_layers: int, prefix: str = "") -> None:
         """Refuse values the model cannot be built with: each key against its declaration, and the
         rules between keys. Messages name the key, after `prefix` (the config says "model.")."""

@@ -139,7 +139,10 @@ class Transformer(nn.Module):
       draws other masks. A resume at the same world size stays bit-identical (the RNG states are
       checkpointed);
     - embedding_norm: RMSNorm (learned gain [d_model]) of the token embeddings, before the first
-      block.
+      block;
+    - pad_vocab_to_multiple: the embedding table and the head get vocab_size rounded up to this
+      multiple of rows (an aligned head matmul on a GPU); the padding rows are never looked up and
+      their logits are cut off in output_logits, so every consumer sees [..., vocab_size].
     """
 
     def __init__(
@@ -173,7 +176,8 @@ class Transformer(nn.Module):
         self.context_length = context_length
         self.logit_softcap = self.options.logit_softcap
 
-        self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        rows = self.options.padded_vocab_size(vocab_size)  # the logits are cut to vocab_size
+        self.token_embeddings = Embedding(rows, d_model, device=device, dtype=dtype)
         self.embedding_norm = None
         if self.options.embedding_norm:
             # RMSNorm right after the embedding lookup, as nanochat does.
@@ -193,7 +197,7 @@ class Transformer(nn.Module):
             for i in range(num_layers)
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
-        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        self.lm_head = Linear(d_model, rows, device=device, dtype=dtype)
         if self.options.tie_embeddings:
             # Tied input and output embeddings (Press & Wolf 2017); the head's init, see above.
             self.token_embeddings.weight = self.lm_head.weight
@@ -234,9 +238,11 @@ class Transformer(nn.Module):
         return x
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The last block's output [B, T, d_model] -> logits [B, T, vocab_size]: ln_final, lm_head and
-        the soft-cap."""
+        """The last block's output [B, T, d_model] -> logits [B, T, vocab_size]: ln_final, lm_head (the
+        padding rows' logits cut off: a view, no copy) and the soft-cap."""
         logits = self.lm_head(self.ln_final(x))
+        if logits.shape[-1] != self.vocab_size:  # pad_vocab_to_multiple
+            logits = logits[..., : self.vocab_size]
         if self.logit_softcap is not None:
             # Logit soft-capping (Gemma 2; the nanoGPT speedrun and nanochat), in at least float32.
             logits = softcap(logits, self.logit_softcap)
