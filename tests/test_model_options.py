@@ -528,7 +528,8 @@ def test_sampling_from_a_padded_model_gives_only_tokens_of_the_vocabulary():
     with torch.no_grad():
         model.lm_head.weight[TINY["vocab_size"] :] = 100.0  # would win every draw if it were a logit
     for sampler in (generate, generate_reference):
-        ids = sampler(model, [1, 2, 3], 40, TINY["context_length"], generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        ids = sampler(model, [1, 2, 3], 40, TINY["context_length"], generator=generator)
         assert len(ids) == 40 and max(ids) < TINY["vocab_size"]
 
 
