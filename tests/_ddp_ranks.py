@@ -439,3 +439,67 @@ def overlap_in_backward(ctx, out_dir: str, compile_blocks: bool) -> None:
                 assert len(ready) == total, (len(ready), total)
         assert_params_close(model, eager, 1e-4, f"compiled against eager, step {step}")
     write_result(out_dir, rank, {"fractions": fractions})
+
+
+def gathers_waited_where_used(ctx, out_dir: str, compiled: bool) -> None:
+    """Under ZeRO-1 each part of the model waits for the all-gathers of its own parameters only.
+
+    Every ShardBucket's wait records when it finds a gather pending, and a forward pre-hook on each
+    block (after DDP's) records when the block runs. Checked per step after the first: each pending
+    bucket is waited for before the first part using it runs, and the head's bucket (the last one
+    gathered) only after the first block has run: the later gathers overlap the forward. Compiled as
+    train.compile compiles a model on GPUs under DDP (each block, and the loss region), the model
+    trains as the eager one under the same waits.
+    """
+    from tinylm.pretrain.loop import compile_model
+
+    world, rank = ctx.world_size, ctx.rank
+    models = {"eager": _small_transformer(seed=12), "compiled": _small_transformer(seed=12)}
+    if compiled:
+        compile_model(models["compiled"], world, torch.device("cuda"))  # the GPU's DDP plan, run here
+    events: list[tuple[str, object]] = []
+    runs = {}
+    for name, model in models.items():
+        optimizer = ShardedOptimizer(model.parameters(), AdamW, bucket_size_mb=0.02, lr=1e-2)
+        ddp = DDP(model, shards=optimizer.buckets)
+        runs[name] = (ddp, optimizer)
+    model = models["compiled"]
+    optimizer = runs["compiled"][1]
+    for index, bucket in enumerate(optimizer.buckets):
+        original = bucket.wait
+
+        def recorded(index=index, bucket=bucket, original=original):
+            if bucket._gather is not None:
+                events.append(("wait", index))
+            original()
+
+        bucket.wait = recorded
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda module, args, i=i: events.append(("block", i)))
+    holder = {p: index for index, bucket in enumerate(optimizer.buckets) for p in bucket.params}
+    head_bucket = holder[model.lm_head.weight]
+    block_buckets = [{holder[p] for p in block.parameters()} for block in model.layers]
+    assert len(optimizer.buckets) > 3 and head_bucket not in block_buckets[0]
+    for step in range(4):
+        ids = torch.randint(0, 256, (4 * world, 33), generator=torch.Generator().manual_seed(step))
+        x, y = rank_slice(ids[:, :-1], rank, world), rank_slice(ids[:, 1:], rank, world)
+        events.clear()
+        losses = []
+        for ddp, opt in runs.values():
+            loss = ddp(x, targets=y)  # as the training loop calls it: the loss region
+            loss.backward()
+            ddp.finish_gradient_sync()
+            opt.step()  # its gathers stay pending until the next forward
+            ddp.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+        if step >= 1:  # the gathers of the step before are pending now
+            order = {event: k for k, event in enumerate(events)}
+            assert ("wait", head_bucket) in order and order[("block", 0)] < order[("wait", head_bucket)], events
+            for i, buckets in enumerate(block_buckets):
+                for index in buckets:
+                    assert order.get(("wait", index), -1) < order[("block", i)], (i, index, events)
+    for _, opt in runs.values():
+        opt.wait_for_parameters()
+    assert_params_close(models["compiled"], models["eager"], 1e-4, f"{compiled=}")
+    write_result(out_dir, rank, {"checked": True})

@@ -153,6 +153,15 @@ def test_sharded_step_sends_what_ddp_sends_and_what_the_plan_says(launched, worl
             assert plan.sent_bytes() == pytest.approx(counted["total"], rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled-as-on-gpus"]
+)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
+def test_each_part_waits_for_its_own_parameter_gathers_under_zero1(tmp_path, compiled):
+    launch(_ddp_ranks.gathers_waited_where_used, args=(str(tmp_path), compiled), world_size=2, timeout_s=300)
+    assert all(result["checked"] for result in read_results(tmp_path, 2))
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch when dynamo loads
 @pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled-blocks"])

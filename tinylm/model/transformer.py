@@ -252,9 +252,9 @@ class Transformer(nn.Module):
         """The last block's output [B, T, d_model] and targets [B, T] -> their mean cross-entropy.
 
         The logits (in the autocast dtype) exist only inside this region, which `train.compile`
-        compiles whole on CUDA (fullgraph, tinylm.pretrain.loop.compile_model): Inductor then fuses
-        the head's epilogue, the soft-cap and each chunk of the cross-entropy's passes. The loss
-        itself runs outside autocast, in float32.
+        compiles on CUDA (tinylm.pretrain.loop.compile_model; it has no graph break of its own, a
+        test holds it to fullgraph): Inductor then fuses the head's epilogue, the soft-cap and the
+        cross-entropy's passes. The loss itself runs outside autocast, in float32.
         """
         logits = self.output_logits(x)
         with torch.autocast(x.device.type, enabled=False):

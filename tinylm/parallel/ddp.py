@@ -26,7 +26,9 @@ Two ways to communicate a bucket:
   slots, and each is reduce-scattered so that rank r holds the averaged gradients of slot r. The
   rest of a `.grad` holds an unspecified partial sum and must not be read. Each rank then sends
   (w - 1) / w of the gradient bytes, half of an all-reduce; the optimizer's all-gather of the
-  parameters is the other half. The module waits for those all-gathers before its forward.
+  parameters is the other half. Each part of the module (each child, each block of a ModuleList)
+  waits for the all-gathers of its own parameters before its forward, so the gathers of later
+  blocks overlap the forward of earlier ones.
 
 Buckets are always started in the same order on every rank, so the sequence of collectives is
 the same everywhere even when gradients become ready in different orders on different ranks.
@@ -117,7 +119,8 @@ class DDP(nn.Module):
 
     shards: a ShardedOptimizer's buckets (`ShardedOptimizer.buckets`); when given, the gradient
     buckets take their layout and each is reduce-scattered into this rank's slot, and the
-    module waits for the buckets' parameter all-gathers before its forward. Read once, at wrap time.
+    module's parts wait for their buckets' parameter all-gathers before their forward
+    (`units_and_their_buckets`). Read once, at wrap time.
     """
 
     def __init__(
@@ -162,7 +165,8 @@ class DDP(nn.Module):
                 self._buckets.append(_Bucket(bucket.params, bucket.offsets, bucket.layout.numel, bucket.slot))
                 bucket.awaited_by_forward = True
             self._shards = list(shards)
-            module.register_forward_pre_hook(self._wait_for_parameters)
+            for unit, buckets in units_and_their_buckets(module, self._shards):
+                unit.register_forward_pre_hook(_waits_for(buckets))
         self._params = [p for bucket in self._buckets for p in bucket.params]
         self._flags = torch.zeros(len(self._params), dtype=torch.float32, device=self._params[0].device)
         for b, bucket in enumerate(self._buckets):
@@ -173,11 +177,6 @@ class DDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def _wait_for_parameters(self, module: nn.Module, args) -> None:
-        """Forward pre-hook of the module: the sharded optimizer's all-gathers are done before it runs."""
-        for bucket in self._shards:
-            bucket.wait()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -272,6 +271,38 @@ class DDP(nn.Module):
             bucket.reset()
         self._next_bucket = 0
         self._flags_handle = None
+
+
+def units_and_their_buckets(
+    module: nn.Module, shards: Sequence[ShardBucket]
+) -> list[tuple[nn.Module, list[ShardBucket]]]:
+    """The parts of `module` that wait for their parameters' all-gathers, each with the buckets
+    holding any of its parameters: `module` itself for its own parameters, each child, and each
+    element of a child ModuleList (a Transformer's blocks) in place of the list. A bucket shared by
+    several parts is waited for by the first that runs; the others find it done."""
+    units = [module]
+    for child in module.children():
+        units.extend(child if isinstance(child, nn.ModuleList) else [child])
+    holder = {p: bucket for bucket in shards for p in bucket.params}
+    out = []
+    for unit in units:
+        params = unit.parameters(recurse=unit is not module)
+        buckets = list({id(holder[p]): holder[p] for p in params if p in holder}.values())
+        if buckets:
+            out.append((unit, buckets))
+    return out
+
+
+def _waits_for(buckets: list[ShardBucket]):
+    """A forward pre-hook that waits for `buckets`' pending all-gathers. It runs eagerly also where
+    the part is compiled (a graph break before the part's graph): Dynamo cannot trace a wait."""
+
+    @torch.compiler.disable
+    def wait(module: nn.Module, args) -> None:
+        for bucket in buckets:
+            bucket.wait()
+
+    return wait
 
 
 def _split_into_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:

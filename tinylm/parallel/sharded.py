@@ -15,8 +15,8 @@ bucket (`DDP(shards=...)`); `step()` runs a local `optimizer_cls` over this rank
 bucket (one instance per bucket, so that each bucket's all-gather starts as soon as its slot is
 stepped, the first layers' buckets first) and starts the bucket's all-gather of the updated
 parameters asynchronously. The all-gathers are waited for where the parameters are next needed:
-DDP's wrapped module waits before its forward, `wait_for_parameters()` for anything else (saving
-a checkpoint). Per rank per step that sends what one all-reduce would (reduce-scatter plus
+each part of DDP's wrapped module (each block) waits for its own before its forward,
+`wait_for_parameters()` for anything else (saving a checkpoint). Per rank per step that sends what one all-reduce would (reduce-scatter plus
 all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that every rank already
 holds averaged, each rank reading only its pieces), `step()` waits for its all-gathers before it
 returns.
@@ -145,7 +145,7 @@ class ShardBucket:
                 p.data = view
         low, high = layout.slot(rank)
         self.slot = slice(low, high)
-        self.awaited_by_forward = False  # set by DDP, whose module waits before its forward
+        self.awaited_by_forward = False  # set by DDP, whose module's parts wait before their forward
         self._gather = None
 
     def start_all_gather(self) -> None:

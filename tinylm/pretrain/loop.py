@@ -210,11 +210,12 @@ def compile_model(model: Transformer, world_size: int, device: torch.device) -> 
     blocks and the loss. Otherwise block by block, so that each block's backward is one autograd
     node and DDP's buckets start while earlier blocks are still in backward (a whole-model graph
     would start none before its backward ends); one graph serves every block, and state-dict names
-    stay plain. The loss region
-    (`Transformer.output_loss`: ln_final, the head, the soft-cap and the cross-entropy) is one graph
-    with no break in it (fullgraph), where Inductor fuses each chunk's passes over the logits. Not
-    on the CPU: there the eager chunks already run in a core's cache, and compiling the region
-    costs compile time for no measured gain (bench/RESULTS.md, "The GPU step").
+    stay plain. The loss region (`Transformer.output_loss`: ln_final, the head, the soft-cap and the
+    cross-entropy) is compiled too, where Inductor fuses the passes over the logits; under ZeRO-1
+    the waits for ln_final's and the head's parameter all-gathers (DDP's pre-hooks) run eagerly
+    between its graphs, as a block's wait runs before the block's graph. Not on the CPU: there the
+    eager chunks already run in a core's cache, and compiling the region costs compile time for no
+    measured gain (bench/RESULTS.md, "The GPU step").
     """
     limit_compile_threads(ranks_on_this_machine(world_size))
     if device.type == "cuda" and world_size == 1:
@@ -223,7 +224,7 @@ def compile_model(model: Transformer, world_size: int, device: torch.device) -> 
     for block in model.layers:
         block.compile()
     if device.type == "cuda":
-        model.output_loss = torch.compile(model.output_loss, fullgraph=True)
+        model.output_loss = torch.compile(model.output_loss)
 
 
 @torch.no_grad()
