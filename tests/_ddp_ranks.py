@@ -495,7 +495,8 @@ def gathers_waited_where_used(ctx, out_dir: str, compiled: bool) -> None:
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
         if step >= 1:  # the gathers of the step before are pending now
             order = {event: k for k, event in enumerate(events)}
-            assert ("wait", head_bucket) in order and order[("block", 0)] < order[("wait", head_bucket)], events
+            assert ("wait", head_bucket) in order, events
+            assert order[("block", 0)] < order[("wait", head_bucket)], events
             for i, buckets in enumerate(block_buckets):
                 for index in buckets:
                     assert order.get(("wait", index), -1) < order[("block", i)], (i, index, events)

@@ -16,8 +16,8 @@ bucket (one instance per bucket, so that each bucket's all-gather starts as soon
 stepped, the first layers' buckets first) and starts the bucket's all-gather of the updated
 parameters asynchronously. The all-gathers are waited for where the parameters are next needed:
 each part of DDP's wrapped module (each block) waits for its own before its forward,
-`wait_for_parameters()` for anything else (saving a checkpoint). Per rank per step that sends what one all-reduce would (reduce-scatter plus
-all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that every rank already
+`wait_for_parameters()` for anything else (saving a checkpoint). Per rank per step that sends
+what one all-reduce would (reduce-scatter plus all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that every rank already
 holds averaged, each rank reading only its pieces), `step()` waits for its all-gathers before it
 returns.
 
