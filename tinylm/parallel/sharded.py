@@ -17,9 +17,9 @@ stepped, the first layers' buckets first) and starts the bucket's all-gather of 
 parameters asynchronously. The all-gathers are waited for where the parameters are next needed:
 each part of DDP's wrapped module (each block) waits for its own before its forward,
 `wait_for_parameters()` for anything else (saving a checkpoint). Per rank per step that sends
-what one all-reduce would (reduce-scatter plus all-gather), in 2 collectives per bucket. Without DDP's shards (gradients that every rank already
-holds averaged, each rank reading only its pieces), `step()` waits for its all-gathers before it
-returns.
+what one all-reduce would (reduce-scatter plus all-gather), in 2 collectives per bucket. Without
+DDP's shards (gradients that every rank already holds averaged, each rank reading only its
+pieces), `step()` waits for its all-gathers before it returns.
 
 The optimizer class states its state's contract: `elementwise_state`, the names of the entries
 shaped like the parameter (split with it: AdamW's moments), and `per_parameter_state`, those held
