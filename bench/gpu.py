@@ -263,7 +263,7 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tinylm.flops import flops_per_token
-    from tinylm.precision import autocast, configure_kernels
+    from tinylm.precision import autocast, choose_attention_backend, configure_kernels
     from tinylm.throughput import mfu, peak_flops, peak_memory_mib
 
     variant = VARIANTS[name]
@@ -298,10 +298,16 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out
         optimizer.step()
         mark("optimizer")
 
+    chosen_attention = None
+    if variant.impl == "tinylm" and variant.attention is None:  # the backend training would measure
+        heads = shape["num_heads"]
+        attention_shape = (batch_size, heads, T, shape["d_model"] // heads)
+        chosen_attention = choose_attention_backend(device, attention_shape, dtype, variant.deterministic)
+        print(f"{name}: {chosen_attention}", file=sys.stderr)
     attention = (
         sdpa_kernel(getattr(SDPBackend, variant.attention))
         if variant.attention and device.type == "cuda"
-        else contextlib.nullcontext()  # torch's own choice of backend
+        else contextlib.nullcontext()  # the measured backend (tinylm), or torch's own choice (native)
     )
 
     def sync() -> None:
@@ -358,6 +364,7 @@ def worker(name: str, shape: dict, batch_size: int, steps: int, warmup: int, out
         "recompiles": recompiles if variant.compiled else None,
         "warmup_s": warmup_s,
         "step_s": times,
+        "attention": chosen_attention,
     }
 
 

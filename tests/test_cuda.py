@@ -474,3 +474,24 @@ def test_on_one_gpu_the_whole_model_is_one_graph_and_trains_as_eager():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-3, atol=1e-3)
     for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
+
+
+def test_the_measured_attention_backend_runs_the_training_shape_and_computes_attention():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tinylm.precision import choose_attention_backend
+
+    device, shape = torch.device("cuda"), (4, 12, 1024, 64)
+    flags = [getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in ("flash", "mem_efficient", "cudnn")]
+    try:
+        line = choose_attention_backend(device, shape, torch.bfloat16, deterministic=False)
+        assert line.startswith("attention: ") and " ms" in line, line
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(3))
+        chosen = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(SDPBackend.MATH):
+            reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        torch.testing.assert_close(chosen.float(), reference, rtol=2e-2, atol=2e-2)
+    finally:
+        for name, flag in zip(("flash", "mem_efficient", "cudnn"), flags, strict=True):
+            getattr(torch.backends.cuda, f"enable_{name}_sdp")(flag)

@@ -161,3 +161,64 @@ def test_loss_scaler_follows_torch_grad_scaler_over_overflows_and_growth():
         disabled.scale == 1.0
         and disabled.state_dict() == {} == torch.amp.GradScaler("cpu", enabled=False).state_dict()
     )
+
+
+# ---------------------------------------------------------------- the attention backend
+
+
+def test_each_fused_attention_backend_is_timed_or_says_why_not_and_the_random_state_is_kept():
+    from tinylm.precision import ATTENTION_BACKENDS, time_attention_backends
+
+    state = torch.get_rng_state()
+    times = time_attention_backends((2, 2, 32, 16), torch.float32, torch.device("cpu"), repeats=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert list(times) == list(ATTENTION_BACKENDS)
+    assert isinstance(times["FLASH_ATTENTION"], float) and times["FLASH_ATTENTION"] > 0  # the CPU has it
+    for name in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):  # CUDA's only
+        assert isinstance(times[name], str) and times[name], times
+
+
+@pytest.fixture
+def sdp_flags():
+    flags = (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.cudnn_sdp_enabled(),
+    )
+    yield
+    torch.backends.cuda.enable_flash_sdp(flags[0])
+    torch.backends.cuda.enable_mem_efficient_sdp(flags[1])
+    torch.backends.cuda.enable_cudnn_sdp(flags[2])
+
+
+def test_the_fastest_runnable_backend_is_enabled_alone_beside_math(monkeypatch, sdp_flags):
+    from tinylm import precision
+
+    measured = {"FLASH_ATTENTION": 2e-3, "CUDNN_ATTENTION": 1e-3}
+    measured["EFFICIENT_ATTENTION"] = "No available kernel"
+    monkeypatch.setattr(precision, "time_attention_backends", lambda *args: measured)
+    shape = (4, 12, 1024, 64)
+    line = precision.choose_attention_backend(torch.device("cuda"), shape, torch.bfloat16, False)
+    fastest = min((t, n) for n, t in measured.items() if isinstance(t, float))[1]
+    assert line.startswith(f"attention: {fastest}, the fastest forward and backward at [4, 12, 1024, 64]")
+    assert "EFFICIENT_ATTENTION cannot (No available kernel)" in line
+    enabled = {
+        "FLASH_ATTENTION": torch.backends.cuda.flash_sdp_enabled(),
+        "CUDNN_ATTENTION": torch.backends.cuda.cudnn_sdp_enabled(),
+        "EFFICIENT_ATTENTION": torch.backends.cuda.mem_efficient_sdp_enabled(),
+    }
+    assert enabled == {name: name == fastest for name in measured}
+    assert torch.backends.cuda.math_sdp_enabled()
+
+
+def test_no_measurement_on_the_cpu_or_with_deterministic_kernels(monkeypatch):
+    from tinylm import precision
+
+    def measured(*args):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(precision, "time_attention_backends", measured)
+    shape, dtype = (4, 12, 1024, 64), torch.bfloat16
+    assert precision.choose_attention_backend(torch.device("cpu"), shape, dtype, deterministic=False) is None
+    line = precision.choose_attention_backend(torch.device("cuda"), shape, dtype, deterministic=True)
+    assert "deterministic" in line

@@ -10,7 +10,8 @@ in the autocast dtype, and the loss is computed in float32 (tinylm.nn_utils.cros
 `native_bf16(device)` answers whether the device computes bfloat16 natively, and why.
 
 Also here: `LossScaler`, float16's loss scaling, `configure_kernels`, the choice between
-bit-identical and fastest kernels, and `machine`, what besides the config decides the last bits of a
+bit-identical and fastest kernels, `choose_attention_backend`, the fused attention kernel that
+is fastest on this GPU at the run's shape, and `machine`, what besides the config decides the last bits of a
 run's numbers (torch's version, the device kind, the CPU's vector instructions or the GPU).
 """
 
@@ -244,3 +245,86 @@ def configure_kernels(device: torch.device, deterministic: bool) -> None:
         torch.backends.cudnn.allow_tf32 = not deterministic
         torch.backends.cudnn.benchmark = not deterministic
         torch.backends.cuda.enable_cudnn_sdp(not deterministic)
+
+
+# torch's fused attention kernels (torch.nn.attention.SDPBackend names); the math backend stays on
+# beside the chosen one, for the shapes a fused kernel cannot take (a generation step's mask).
+ATTENTION_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def time_attention_backends(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, repeats: int = 5
+) -> dict[str, float | str]:
+    """{backend: seconds of one causal attention forward and backward, or why it cannot run here}.
+
+    q, k and v are [B, H, T, d_head] = `shape` in `dtype`, drawn from a generator of their own (the
+    process's random state is left as it was). Each backend runs twice untimed (its plans and
+    autotuning), then `repeats` times between two synchronisations; one that raises is given the
+    first line of its error.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    generator = torch.Generator(device).manual_seed(0)
+    q, k, v = (
+        torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_() for _ in range(3)
+    )
+
+    def forward_and_backward() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times: dict[str, float | str] = {}
+    for name in ATTENTION_BACKENDS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                for _ in range(2):
+                    forward_and_backward()
+                synchronize()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    forward_and_backward()
+                synchronize()
+            times[name] = (time.perf_counter() - start) / repeats
+        except RuntimeError as error:
+            times[name] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return times
+
+
+def use_attention_backend(name: str) -> None:
+    """Enable the fused attention backend `name` (one of ATTENTION_BACKENDS) and no other fused one."""
+    torch.backends.cuda.enable_flash_sdp(name == "FLASH_ATTENTION")
+    torch.backends.cuda.enable_mem_efficient_sdp(name == "EFFICIENT_ATTENTION")
+    torch.backends.cuda.enable_cudnn_sdp(name == "CUDNN_ATTENTION")
+
+
+def choose_attention_backend(
+    device: torch.device, shape: tuple[int, int, int, int], dtype: torch.dtype, deterministic: bool
+) -> str | None:
+    """On CUDA, use the fused attention backend that runs the training shape fastest here; returns
+    the log line that says which and what each took (None on other devices, which keep their path).
+
+    Measured rather than left to torch's fixed priority order, which puts flash first and cuDNN
+    last, whatever the GPU. Under DDP every rank uses rank 0's choice, so that every rank runs the
+    same kernels. With `deterministic` nothing is measured: a choice by timing could differ between
+    reruns, and cuDNN's is off (configure_kernels), so torch's order decides.
+    """
+    if device.type != "cuda":
+        return None
+    if deterministic:
+        return "attention: torch's order of the deterministic backends (train.deterministic: true)"
+    times = time_attention_backends(shape, dtype, device)
+    runnable = {name: t for name, t in times.items() if isinstance(t, float)}
+    chosen = [min(runnable, key=runnable.get) if runnable else ""]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(chosen, src=0)
+    described = ", ".join(
+        f"{name} {t * 1e3:.2f} ms" if isinstance(t, float) else f"{name} cannot ({t})"
+        for name, t in times.items()
+    )
+    if not chosen[0]:
+        return f"attention: no fused backend runs {list(shape)} here, torch's order decides ({described})"
+    use_attention_backend(chosen[0])
+    return f"attention: {chosen[0]}, the fastest forward and backward at {list(shape)} here ({described})"

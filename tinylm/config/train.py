@@ -143,12 +143,14 @@ class TrainConfig:
     )
     deterministic: bool = key(
         True,
-        help="deterministic kernels (bit-identical reruns) instead of the fastest (TF32, cuDNN attention)",
+        help="deterministic kernels (bit-identical reruns) instead of the fastest (TF32, measured attention)",
         more="`true`: `torch.use_deterministic_algorithms(True)` (an op without a deterministic kernel is an "
         "error, not a warning), deterministic flash / memory-efficient attention backward, cuDNN attention "
         "off, a fixed cuBLAS workspace and no TF32, so a CUDA run reproduces bit for bit on the same "
-        "machine. `false`: the fastest kernels, TF32 matmuls for float32 and cuDNN attention; reruns differ "
-        "in the last bits. On the CPU the cost is nil (the same kernels run). On GPUs it costs the "
+        "machine. `false`: the fastest kernels, TF32 matmuls for float32 and the fused attention kernel "
+        "(flash, cuDNN or memory-efficient) that a measurement at the start of the run finds fastest on "
+        "the GPU (the log says which and the times); reruns differ in the last bits. On the CPU the cost "
+        "is nil (the same kernels run). On GPUs it costs the "
         "deterministic attention backward and, for float32 models, the TF32 matmul speed-up; the "
         "deterministic rows of `bench/gpu.py` (bench/gpu_session.sh) measure it, not yet on a GPU",
         execution=True,

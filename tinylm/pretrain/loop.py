@@ -44,9 +44,9 @@ from tinylm.nn_utils import cross_entropy
 from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
 from tinylm.parallel.sharded import clip_grad_norm_, gradient_shards, held_gradients
-from tinylm.precision import DTYPES, LossScaler, autocast, configure_kernels
+from tinylm.precision import DTYPES, LossScaler, autocast, choose_attention_backend, configure_kernels
 from tinylm.pretrain.init import Init, load_init_weights
-from tinylm.pretrain.log import TrainingLog, set_run_name
+from tinylm.pretrain.log import TrainingLog, log_line, set_run_name
 from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
 from tinylm.pretrain.resume import restore_run, save_step_of_run, seed_everything
 from tinylm.pretrain.steps import committed_steps
@@ -79,6 +79,10 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     configure_kernels(device, train.deterministic)
     seed_everything(train.seed + ctx.rank)
     dtype = DTYPES[spec.identity.dtype]  # the forward pass's autocast dtype, resolved by the launcher
+    shape = attention_shape(spec, ctx.world_size)
+    attention = choose_attention_backend(device, shape, dtype, train.deterministic)  # CUDA only
+    if attention is not None:
+        log_line(ctx.rank == 0, attention)
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
         load_tokens(spec.train_tokens),
@@ -200,6 +204,14 @@ def read_values(unread: list[tuple[int, torch.Tensor, dict]]) -> list[tuple[int,
     read = [(step, pair, lrs) for (step, _, lrs), pair in zip(unread, values, strict=True)]
     unread.clear()
     return read
+
+
+def attention_shape(spec: RunSpec, world_size: int) -> tuple[int, int, int, int]:
+    """[B, H, T, d_head] of each attention call in training: one micro-batch of full contexts."""
+    train, model = spec.cfg.train, spec.model_config
+    micro_batch = train.batch_size // (world_size * train.grad_accum_steps)
+    heads = model["num_heads"]
+    return (micro_batch, heads, model["context_length"], model["d_model"] // heads)
 
 
 def compile_model(model: Transformer, world_size: int, device: torch.device) -> None:
