@@ -85,6 +85,7 @@ class ModelOptions:
     pad_vocab_to_multiple: int = key(
         1,
         lo=1,
+        left_out_at=1,
         help="the embedding and head rows padded to a multiple of this (the GPU recipes set 128); 1 = none",
         more="A head of 10,000 rows is an unaligned matmul on a GPU; padded to 10,112 it is not. The "
         "padding rows are never looked up and their logits are cut off before the loss, evaluation, "
