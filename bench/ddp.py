@@ -57,7 +57,6 @@ from torch.nn.parallel import DistributedDataParallel
 from tinylm.checkpoint import Manifest
 from tinylm.model import Transformer
 from tinylm.parallel import DDP, ShardedOptimizer, launch
-from tinylm.parallel.sharded import parameter_writers
 from tinylm.pretrain import state as state_lib
 
 SMALL = dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344)
@@ -350,7 +349,7 @@ def run_checkpoint_save(ctx, args, how: str, folder: str, out_dir: str) -> None:
     start = time.perf_counter()
     state_lib.save_step(ctx, folder, 2, model.module, optimizer, manifest=Manifest(seed=0))
     seconds = time.perf_counter() - start
-    writers = parameter_writers(optimizer)
+    writers = optimizer.parameter_writers()
     params = [p for p in model.module.parameters() if writers.get(p) == ctx.rank]
     _write_rank_result(
         out_dir,

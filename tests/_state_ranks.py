@@ -85,9 +85,8 @@ def _tensors(tree):
 def own_share(model, optimizer, rank):
     """(bytes of the parameters this rank writes, bytes of the optimizer state it writes):
     the parameters whose first element it holds, and its pieces of the state."""
-    from tinylm.parallel.sharded import parameter_writers
 
-    writers = parameter_writers(optimizer)
+    writers = optimizer.parameter_writers()
     params = [p for p in model.parameters() if writers.get(p) == rank]
     pieces = [tensor for _, _, _, tensor in optimizer.state_pieces()]
     return sum(p.numel() * p.element_size() for p in params), _tensor_bytes(pieces)

@@ -41,7 +41,7 @@ def test_parameters_gradients_and_optimizer_state_are_those_of_a_real_model_afte
     opt.step()
     state_bytes = sum(
         t.numel() * t.element_size()
-        for s in opt.state.values()
+        for s in opt.local_state().values()
         for name, t in s.items()
         if isinstance(t, torch.Tensor) and name != "step"
     )

@@ -214,8 +214,8 @@ def test_build_optimizer_adamw_is_plain_adamw_over_two_groups():
     model = Transformer(**CONFIG)
     reference = copy.deepcopy(model)
     t = _train_cfg(lr_max=1e-2, lr_min=1e-3, warmup_iters=3, max_iters=20, weight_decay=0.1)
-    optimizer = build_optimizer(model, t, world_size=1)
-    assert type(optimizer) is AdamW
+    optimizer = build_optimizer(model, t, world_size=1)  # every parameter held: AdamW's steps, bit for bit
+    assert type(optimizer) is ShardedOptimizer and optimizer.optimizer_cls is AdamW
     assert [g["name"] for g in optimizer.param_groups] == ["matrices", "gains"]
     ref_opt = AdamW(param_groups(reference, t.weight_decay), lr=t.lr_max, betas=(t.beta1, t.beta2), eps=t.eps)
     g = torch.Generator().manual_seed(7)
@@ -250,7 +250,7 @@ def test_build_optimizer_muon_groups_and_their_schedules():
         head_lr=2e-3,
     )
     optimizer = build_optimizer(model, t, world_size=1)
-    assert type(optimizer) is Muon
+    assert type(optimizer) is ShardedOptimizer and optimizer.optimizer_cls is Muon
     groups = {g["name"]: g for g in optimizer.param_groups}
     assert list(groups) == ["matrices", "embedding", "head", "gains"]
     names = {id(p): n for n, p in model.named_parameters()}

@@ -13,6 +13,7 @@ from helpers import IDENTITY, SMALL_MODEL, assert_same, manifest_for, read_check
 from tinylm.checkpoint import CheckpointError
 from tinylm.model import Transformer
 from tinylm.optim import AdamW
+from tinylm.parallel import ShardedOptimizer
 from tinylm.pretrain import state as state_lib
 from tinylm.pretrain.publish import publish
 from tinylm.pretrain.state import commit
@@ -52,7 +53,7 @@ def test_a_damaged_file_is_refused_naming_it(tmp_path, damage):
         read_checked(path)
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*(sha256|truncated)"):
         model = Transformer(**SMALL_MODEL)
-        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
+        state_lib.restore_step(_one_rank(), tmp_path, model, ShardedOptimizer(model.parameters(), AdamW))
 
 
 def _one_rank():
@@ -61,16 +62,19 @@ def _one_rank():
     return RankContext(0, 0, 1, torch.device("cpu"), None)
 
 
-def test_restore_reads_into_the_model_and_a_plain_optimizer(tmp_path):
-    saved = small_checkpoint(30)
+def test_restore_reads_a_plain_optimizers_state_into_the_model_and_the_runs_optimizer(tmp_path):
+    saved = small_checkpoint(30)  # a plain AdamW's state dict
     commit(tmp_path, 30, saved, IDENTITY)
     torch.manual_seed(1)
     model = Transformer(**SMALL_MODEL)
-    optimizer = AdamW(model.parameters(), lr=0.5)
+    optimizer = ShardedOptimizer(model.parameters(), AdamW, lr=0.5)  # a world of one: every parameter
     rest = state_lib.restore_step(_one_rank(), tmp_path, model, optimizer)
     assert_same(model.state_dict(), saved["model"])
-    assert_same(optimizer.state_dict(), saved["optimizer"])
-    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
+    assert_same(optimizer.state_dict()["state"], saved["optimizer"]["state"])
+    plain = AdamW(Transformer(**SMALL_MODEL).parameters())
+    plain.load_state_dict(optimizer.state_dict())  # and it goes back into a plain one
+    assert_same(plain.state_dict(), saved["optimizer"])
+    assert all(state["step"].device.type == "cpu" for state in optimizer.local_state().values())
     assert_same(rest, {key: saved[key] for key in ("iteration", "tokens_seen", "model_config", "rng")})
 
 
@@ -86,10 +90,10 @@ def test_a_step_of_a_cuda_model_is_written_from_and_read_into_the_device(tmp_pat
     commit(tmp_path, 30, on_device, IDENTITY)
     assert_same(torch.load(tmp_path / "step_0000030" / "checkpoint.pt", weights_only=True), saved)
     fresh = Transformer(**SMALL_MODEL, device="cuda")
-    fresh_optimizer = AdamW(fresh.parameters())
+    fresh_optimizer = ShardedOptimizer(fresh.parameters(), AdamW)
     state_lib.restore_step(_one_rank(), tmp_path, fresh, fresh_optimizer)
     assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, saved["model"])
-    for state in fresh_optimizer.state.values():
+    for state in fresh_optimizer.local_state().values():
         assert state["step"].device.type == "cpu" and state["exp_avg"].device.type == "cuda"
 
 
@@ -121,7 +125,7 @@ def test_a_hostile_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
         read_checked(path)
     model = Transformer(**SMALL_MODEL)
     with pytest.raises(CheckpointError, match="weights_only"):
-        state_lib.restore_step(_one_rank(), tmp_path, model, AdamW(model.parameters()))
+        state_lib.restore_step(_one_rank(), tmp_path, model, ShardedOptimizer(model.parameters(), AdamW))
     assert not marker.exists()
     # The exploit is real: an unsafe load would have run it.
     with open(path, "rb") as f:
@@ -227,15 +231,15 @@ def test_a_step_saved_at_world_size_two_resumes_at_three_and_at_one_and_three_re
         state_read = r["read"] - other - model_bytes - rng
         assert 0 < r["owned_state"] <= state_read < _state_bytes(saved), (r, _state_bytes(saved))
 
-    # One process with a plain AdamW reads the whole state (no launch: a world of one).
-    model, optimizer = ranks.make_trained([], seed=99, sharded=False)
+    # One process reads the whole state (no launch: a world of one, holding every parameter).
+    model, optimizer = ranks.make_trained([], seed=99)
     rest = state_lib.restore_step(_one_rank(), state, model, optimizer)
     ranks.train_toy(model, optimizer, range(3, 6))
     assert rest["iteration"] == 3
     assert_same(model.state_dict(), reference_model.state_dict())
 
     # 2 -> 3 -> 1: the step the three ranks saved (their slices, in pieces) resumes in one process.
-    model, optimizer = ranks.make_trained([], seed=98, sharded=False)
+    model, optimizer = ranks.make_trained([], seed=98)
     rest = state_lib.restore_step(_one_rank(), tmp_path / "state", model, optimizer)
     assert rest["iteration"] == 6
     ranks.train_toy(model, optimizer, range(6, 9))

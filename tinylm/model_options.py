@@ -109,6 +109,16 @@ class ModelOptions:
                 f"table, the last one included), got {num_layers}"
             )
 
+    def recorded(self) -> dict:
+        """The options as a checkpoint's model config records them: every field, but one declared
+        `left_out_at` while at that value (a capability off), so that the checkpoints of models
+        that do not use it are the same bytes as before it existed. A missing key means its default."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("left_out_at") is None or getattr(self, f.name) != f.metadata["left_out_at"][0]
+        }
+
     def has_value_embeddings(self, layer: int, num_layers: int) -> bool:
         """Whether block `layer` of `num_layers` gets a value-embedding table: every other block,
         the last one included (as nanochat chooses)."""

@@ -18,7 +18,6 @@ values of the earlier ones in a KVCache (see kv_cache.py); training never passes
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import torch
@@ -171,7 +170,7 @@ class Transformer(nn.Module):
         self.config = {name: value for name, value in locals().items() if name in Transformer.CONFIG_KEYS}
         self.options = ModelOptions(**options)
         self.options.check(num_layers)
-        self.config.update(dataclasses.asdict(self.options))
+        self.config.update(self.options.recorded())
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.logit_softcap = self.options.logit_softcap

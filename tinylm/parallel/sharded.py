@@ -47,8 +47,11 @@ AdamW and come from one:
   optimizer), each tensor of its parameter's full shape or just the piece this rank holds
   (`held_ranges()`), and keeps what this rank holds.
 
-Without an initialised process group this is a world of one: one slot per bucket, nothing is
-communicated.
+Without an initialised process group, or with `shard=False`, every rank is a world of one: it
+holds every slot (one bucket per kind of parameter), communicates nothing, and steps every
+parameter; with shard=False DDP all-reduces the gradients (`gradient_shards()` is None) and rank 0
+writes the state into checkpoints. A run's optimizer is always a ShardedOptimizer, so that the
+training loop and checkpoints have one interface at any world size and with sharding on or off.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinylm.nn_utils import gradient_clip, scale_to_norm, squared_norms
+from tinylm.nn_utils import scale_to_norm, squared_norms
 from tinylm.parallel.shard_layout import BucketLayout, ParamSpec, Piece, plan_shards
 
 
@@ -186,15 +189,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Run `optimizer_cls` over this rank's slots of the parameter buckets; see the module docs."""
 
     def __init__(
-        self, params, optimizer_cls: type[torch.optim.Optimizer], bucket_size_mb: float = 25.0, **kwargs: Any
+        self,
+        params,
+        optimizer_cls: type[torch.optim.Optimizer],
+        bucket_size_mb: float = 25.0,
+        shard: bool = True,
+        **kwargs: Any,
     ):
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.optimizer_cls = optimizer_cls
         self.contract = state_contract(optimizer_cls)
         self.bucket_size_mb = bucket_size_mb
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # shard=False: every rank is a world of one, holding every slot (see the module docs).
+        self.process_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() and shard else 1
+        self.rank = self.process_rank if self.world_size > 1 else 0
         self.buckets: list[ShardBucket] = []
         self.local_optimizers: list[torch.optim.Optimizer] = []  # one per bucket
         self._held: list[list[_Held]] = []  # per bucket, this rank's pieces
@@ -233,7 +243,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups)
             for p in group["params"]
         ]
-        layouts = plan_shards(specs, self.world_size, self.bucket_size_mb * 2**20)
+        # Buckets exist for the collectives; a world of one communicates nothing: one bucket per kind.
+        everything = sum(spec.numel * spec.element_size for spec in specs) or 1
+        bucket_bytes = self.bucket_size_mb * 2**20 if self.world_size > 1 else everything
+        layouts = plan_shards(specs, self.world_size, bucket_bytes)
         self.buckets, self.local_optimizers, self._held = [], [], []
         for layout in layouts:
             bucket = ShardBucket(layout, [params[i] for i in layout.members], self.rank)
@@ -261,9 +274,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (h, local) for held, local in zip(self._held, self.local_optimizers, strict=True) for h in held
         ]
 
+    def gradient_shards(self) -> list[ShardBucket] | None:
+        """The buckets DDP reduce-scatters the gradients into (`DDP(shards=...)`), or None when this
+        rank holds every slot (a world of one, or shard=False: DDP then all-reduces them)."""
+        return self.buckets if self.world_size > 1 else None
+
     def held_ranges(self) -> dict[int, tuple[int, int]]:
         """{global parameter index: [start, stop) of its elements this rank holds}."""
         return {h.piece.index: (h.piece.start, h.piece.stop) for h, _ in self._all_held()}
+
+    def parameter_writers(self) -> dict[nn.Parameter, int]:
+        """{parameter: the rank that writes its weights into a checkpoint}: the rank holding its
+        first element, so that the writing is shared out (rank 0 when every rank holds every slot)."""
+        params = self._params()
+        return {
+            params[piece.index]: rank
+            for bucket in self.buckets
+            for rank in range(self.world_size)
+            for piece in bucket.layout.pieces(rank)
+            if piece.start == 0
+        }
 
     def local_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """{piece tensor: its state} of every local optimizer (this rank's share of the state)."""
@@ -344,7 +374,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 name: self._describe(name, value, params[h.piece.index]) for name, value in state.items()
             }
         if self.world_size == 1:
-            return described
+            return dict(sorted(described.items()))  # torch's order: by global index
         gathered: list[dict] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(gathered, described)
         merged: dict[int, dict[str, Any]] = {}
@@ -382,7 +412,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for a tensor held whole). Every element of every state tensor is in exactly one rank's
         list: an elementwise entry from every holder of a piece of its parameter, a per-parameter
         one (AdamW's `step`) from the rank holding the parameter's first element. These are the
-        live tensors."""
+        live tensors. With shard=False every rank holds the same state, and rank 0 gives it."""
+        if self.process_rank != self.rank:
+            return []
         pieces = []
         for h, local in self._all_held():
             for name, value in local.state.get(h.tensor, {}).items():
@@ -507,73 +539,3 @@ def _placeholder(description: tuple) -> Any:
         _, shape, dtype = description
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     return description[1]
-
-
-# A run's optimizer is a ShardedOptimizer or a plain one; these answer for both, so that no caller
-# has to tell them apart.
-
-
-def gradient_shards(optimizer: torch.optim.Optimizer) -> list[ShardBucket] | None:
-    """The buckets DDP reduce-scatters into (`DDP(shards=...)`) for a ShardedOptimizer; None for a
-    plain optimizer, which every rank runs over every parameter."""
-    return optimizer.buckets if isinstance(optimizer, ShardedOptimizer) else None
-
-
-def held_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The gradients (or pieces of them) this rank holds averaged and steps with."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.held_gradients()
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
-def held_ranges(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
-    """{global parameter index: [start, stop) of the elements whose optimizer state this rank holds}."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.held_ranges()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {i: (0, p.numel()) for i, p in enumerate(params)}
-
-
-def parameter_writers(optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
-    """{parameter: the rank that writes its weights into a checkpoint}: the rank holding its first
-    element for a ShardedOptimizer (so the writing is shared out), else rank 0 (empty dict)."""
-    if not isinstance(optimizer, ShardedOptimizer):
-        return {}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {
-        params[piece.index]: rank
-        for bucket in optimizer.buckets
-        for rank in range(optimizer.world_size)
-        for piece in bucket.layout.pieces(rank)
-        if piece.start == 0
-    }
-
-
-def wait_for_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Make the parameters current on this rank (a ShardedOptimizer's pending all-gathers)."""
-    if isinstance(optimizer, ShardedOptimizer):
-        optimizer.wait_for_parameters()
-
-
-def clip_grad_norm_(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
-    """Clip the gradients this rank holds by the global norm over `parameters`; returns that norm.
-
-    A collective for a ShardedOptimizer (see `ShardedOptimizer.clip_grad_norm_`); the value of
-    `nn_utils.gradient_clip(parameters, max_norm)` either way (up to rounding when sharded).
-    """
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.clip_grad_norm_(parameters, max_norm)
-    return gradient_clip(parameters, max_norm)
-
-
-def full_or_sharded_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict in torch's format: a ShardedOptimizer's `sharded_state_dict()`
-    (its tensors on the meta device, see `state_pieces`), or a plain optimizer's whole state."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.sharded_state_dict()
-    return optimizer.state_dict()
-
-
-def state_pieces(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, int, torch.Tensor]]:
-    """A ShardedOptimizer's `state_pieces()`; nothing for a plain optimizer."""
-    return optimizer.state_pieces() if isinstance(optimizer, ShardedOptimizer) else []

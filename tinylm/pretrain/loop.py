@@ -43,7 +43,6 @@ from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
 from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
-from tinylm.parallel.sharded import clip_grad_norm_, gradient_shards, held_gradients
 from tinylm.precision import DTYPES, LossScaler, autocast, choose_attention_backend, configure_kernels
 from tinylm.pretrain.init import Init, load_init_weights
 from tinylm.pretrain.log import TrainingLog, log_line, set_run_name
@@ -103,7 +102,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         compile_model(model, ctx.world_size, device)
     # A sharded optimizer (ZeRO-1) lays the parameters out in buckets of equal slices: DDP then
     # reduce-scatters each gradient bucket into the slices, and each rank unscales and clips its own.
-    ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, shards=gradient_shards(optimizer))
+    ddp = DDP(model, bucket_size_mb=train.bucket_size_mb, shards=optimizer.gradient_shards())
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
     start = restore_run(ctx, spec.state_dir, model, optimizer, scaler)
     if start == 0 and spec.init is not None:  # a fresh branch: the parent's weights, at its step
@@ -133,8 +132,8 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
         if ctx.world_size > 1:
             dist.all_reduce(loss)
             loss /= ctx.world_size
-        scaler.unscale_(held_gradients(optimizer))
-        grad_norm = clip_grad_norm_(optimizer, model.parameters(), train.grad_clip)
+        scaler.unscale_(optimizer.held_gradients())
+        grad_norm = optimizer.clip_grad_norm_(model.parameters(), train.grad_clip)
         unread.append((step, torch.stack([loss, grad_norm.to(device)]), lrs))
         overflow = False
         if scaler.enabled:  # float16: gradients that overflowed skip the update and lower the scale

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,9 @@ from tinylm.tokenizer import Tokenizer
 
 
 def model_config_of(cfg: Config, vocab_size: int) -> dict[str, Any]:
-    """The Transformer's constructor arguments of a run: `Transformer(**model_config_of(cfg, V))`."""
-    return {"vocab_size": vocab_size, **asdict(cfg.model)}
+    """The Transformer's constructor arguments of a run: `Transformer(**model_config_of(cfg, V))`,
+    as its checkpoints record them (a capability off left out, see ModelOptions.recorded)."""
+    return {"vocab_size": vocab_size, **cfg.model.recorded()}
 
 
 def run_device(backend: str, world_size: int) -> PlanDevice:

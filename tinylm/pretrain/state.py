@@ -50,15 +50,7 @@ from tinylm.checkpoint.pieces import (
 )
 from tinylm.checkpoint.published import PUBLISHED_DIR, published_file, read_model_state
 from tinylm.io import fsync_dir
-from tinylm.parallel.sharded import (
-    full_or_sharded_state_dict,
-    gradient_shards,
-    held_ranges,
-    parameter_writers,
-    state_contract,
-    state_pieces,
-    wait_for_parameters,
-)
+from tinylm.parallel.sharded import ShardedOptimizer
 from tinylm.pretrain.heartbeat import Heartbeat
 from tinylm.pretrain.publish import republish
 from tinylm.pretrain.steps import CHECKPOINT, MANIFEST, STEP_DIR, WEIGHTS, committed_steps, step_dir
@@ -72,7 +64,7 @@ def save_step(
     state_dir: str | os.PathLike,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: ShardedOptimizer,
     manifest: Manifest,
     entries: dict[str, Any] | None = None,
     per_rank: dict[str, Any] | None = None,
@@ -80,8 +72,8 @@ def save_step(
 ) -> Path:
     """Collective: commit `step` of this run to `state_dir`; every rank calls it. Returns the folder.
 
-    ctx: the rank's RankContext; model: the model (not a DDP wrapper); optimizer: sharded or plain
-    (the same on every rank); manifest: the run's identity; entries: plain values for the top of
+    ctx: the rank's RankContext; model: the model (not a DDP wrapper); optimizer: the run's
+    ShardedOptimizer (sharded or not); manifest: the run's identity; entries: plain values for the top of
     the checkpoint (rank 0's are written); per_rank: plain values of this rank (RNG states), saved
     as lists over the ranks (`restore_step` returns them as such); keep: step folders kept.
     """
@@ -91,9 +83,9 @@ def save_step(
         if key in REQUIRED_KEYS:
             raise ValueError(f"checkpoint entry {key!r} would overwrite a required entry")
         check_plain(value, where=key)
-    wait_for_parameters(optimizer)  # a sharded optimizer's all-gathers: the weights are current
+    optimizer.wait_for_parameters()  # its pending all-gathers: the weights are current
     model_state = model.state_dict()
-    optimizer_state = full_or_sharded_state_dict(optimizer)
+    optimizer_state = optimizer.sharded_state_dict()  # the state tensors on "meta": written in pieces
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(per_rank, gathered, dst=0)  # small: RNG states and the like
@@ -101,11 +93,10 @@ def save_step(
         gathered = [per_rank]
 
     # Who writes each tensor: the holder of a parameter's first element its weights; each piece of
-    # a sharded optimizer's state its holder; rank 0 the rest.
-    sharded = gradient_shards(optimizer) is not None
-    writer_of_storage = {p.data_ptr(): r for p, r in parameter_writers(optimizer).items()}
+    # the optimizer's state its holder; rank 0 the rest.
+    writer_of_storage = {p.data_ptr(): r for p, r in optimizer.parameter_writers().items()}
     model_writer = {name: writer_of_storage.get(t.data_ptr(), 0) for name, t in model_state.items()}
-    pieces = state_pieces(optimizer)
+    pieces = optimizer.state_pieces()
 
     def items_of(name: str, payload: dict[str, Any], layout: Layout) -> list[tuple[int, torch.Tensor]]:
         """(byte offset, tensor) of everything this rank writes into file `name`."""
@@ -113,7 +104,7 @@ def save_step(
         for path, tensor in tensor_leaves(payload):
             if path[0] == "model":
                 mine = model_writer[path[1]] == rank
-            elif path[:2] == ("optimizer", "state") and sharded:
+            elif path[:2] == ("optimizer", "state"):
                 mine = False  # written in pieces, below
             else:
                 mine = rank == 0
@@ -303,7 +294,7 @@ def set_aside(state_dir: Path, step: int, suffix: str = CORRUPT_SUFFIX) -> Path:
 
 
 def restore_step(
-    ctx, state_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ctx, state_dir: str | os.PathLike, model: torch.nn.Module, optimizer: ShardedOptimizer
 ) -> dict[str, Any] | None:
     """Load the newest committed step into `model` and `optimizer` on every rank; None if there is none.
 
@@ -335,7 +326,7 @@ def restore_step(
 
 
 def _read_optimizer(
-    reader: CheckpointReader, saved: dict[str, Any], optimizer: torch.optim.Optimizer, beat
+    reader: CheckpointReader, saved: dict[str, Any], optimizer: ShardedOptimizer, beat
 ) -> None:
     """Read the optimizer state this rank holds (all, or its pieces of a sharded one) and load it.
 
@@ -344,8 +335,8 @@ def _read_optimizer(
     per-parameter tensors (step counts) are read whole and stay on the CPU.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    ranges = held_ranges(optimizer)
-    contract = state_contract(optimizer)
+    ranges = optimizer.held_ranges()
+    contract = optimizer.contract
     state = {}
     for index, entry in saved["state"].items():
         if index >= len(params):
