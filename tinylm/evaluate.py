@@ -39,7 +39,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -187,26 +187,16 @@ def evaluate_checkpoints(
     steps = published_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no committed checkpoints (step_N.pt with step_N.json)")
-    vocab_size = len(tokenizer.vocab)
-    tokens = load_tokens(valid_tokens_path, vocab_size)
-    if max_tokens is not None:
-        tokens = tokens[:max_tokens]
-    if len(tokens) < 2:
-        raise ValueError(f"{valid_tokens_path}: {len(tokens)} validation tokens; at least 2 are needed")
-    stats = scan_tokens(tokens, token_byte_lengths(tokenizer))
-    if stats.text_bytes == 0:
-        raise ValueError(f"{valid_tokens_path}: the scored tokens hold no text, only special tokens")
+    stats = _scored_token_stats(valid_tokens_path, tokenizer, max_tokens)
     special_ids = sorted(tokenizer.special_ids.values())
     device = torch.device(device)
-
     here = machine(device)
     manifests = {step: published_manifest(checkpoint_dir, step) for step in steps}
     scored, todo = {}, {}  # step -> (scores, how); step -> (cache key, dtype) of the steps to score
     for step, manifest in manifests.items():
         dtype = _eval_dtype(manifest, device)
         key = _cache_key(manifest, stats, special_ids, batch_size, device, dtype, here)
-        cacheable = key["weights_sha256"] is not None and manifest.tokens_seen is not None
-        cached = _read_cache(cache_dir, key) if cacheable else None
+        cached = _read_cache(cache_dir, key) if _cacheable(key, manifest) else None
         if cached is None:
             todo[step] = (key, dtype)
         else:
@@ -217,7 +207,7 @@ def evaluate_checkpoints(
             step,
             str(valid_tokens_path),
             max_tokens,
-            vocab_size,
+            len(tokenizer.vocab),
             batch_size,
             special_ids,
             str(device),
@@ -232,24 +222,10 @@ def evaluate_checkpoints(
     if forward_flops < SPAWN_FLOPS:  # a checkpoint scores faster than a process starts
         processes = 1
     for (step, (key, dtype)), scores in zip(todo.items(), _score_all(jobs, processes), strict=True):
-        if key["weights_sha256"] is not None and manifests[step].tokens_seen is not None:
+        if _cacheable(key, manifests[step]):
             _write_cache(cache_dir, key, scores)
         scored[step] = (scores, f"{stats.num_tokens} tokens, {dtype_name(dtype)} on {device.type}")
-    rows = []
-    for step in steps:
-        scores, how = scored[step]
-        if manifests[step].tokens_seen is None:  # said after the checkpoint was read (and checked)
-            raise CheckpointError(
-                f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
-                f"tokens_seen (written by an older tinylm: train again to publish it anew)"
-            )
-        rows.append(_row(step, int(manifests[step].tokens_seen), scores, stats))
-        print(
-            f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
-            f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})",
-            file=sys.stderr,
-        )
-    table = pd.DataFrame(rows, columns=COLUMNS)
+    table = _table(checkpoint_dir, manifests, scored, stats)
     newest = manifests[steps[-1]]
     table.attrs["notes"] = _notes(stats, special_ids, tokenizer) + _made_by(here, newest.machine)
     if newest.parent is not None:  # a run that started from another's checkpoint (train.init_from)
@@ -258,6 +234,46 @@ def evaluate_checkpoints(
             f"{newest.parent['weights_sha256'][:12]}...); its rows are the steps trained after it"
         )
     return table
+
+
+def _scored_token_stats(
+    valid_tokens_path: str | os.PathLike, tokenizer: Tokenizer, max_tokens: int | None
+) -> TokenStats:
+    """The statistics of the validation tokens that are scored (the first `max_tokens`, default
+    all), checked: ids of this tokenizer, at least 2 tokens, some text among them."""
+    tokens = load_tokens(valid_tokens_path, len(tokenizer.vocab))
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    if len(tokens) < 2:
+        raise ValueError(f"{valid_tokens_path}: {len(tokens)} validation tokens; at least 2 are needed")
+    stats = scan_tokens(tokens, token_byte_lengths(tokenizer))
+    if stats.text_bytes == 0:
+        raise ValueError(f"{valid_tokens_path}: the scored tokens hold no text, only special tokens")
+    return stats
+
+
+def _cacheable(key: dict[str, Any], manifest) -> bool:
+    """Whether a checkpoint's scores may be cached: its weights' hash and tokens seen are known."""
+    return key["weights_sha256"] is not None and manifest.tokens_seen is not None
+
+
+def _table(checkpoint_dir, manifests: dict, scored: dict, stats: TokenStats) -> pd.DataFrame:
+    """The rows of every step (ascending) from its scores, each said on stderr as it is added."""
+    rows = []
+    for step, manifest in manifests.items():
+        scores, how = scored[step]
+        if manifest.tokens_seen is None:  # said after the checkpoint was read (and checked)
+            raise CheckpointError(
+                f"{Path(checkpoint_dir) / f'step_{step}.json'}: the manifest does not record "
+                f"tokens_seen (written by an older tinylm: train again to publish it anew)"
+            )
+        rows.append(_row(step, int(manifest.tokens_seen), scores, stats))
+        print(
+            f"[evaluate] step {step}: val_loss {rows[-1]['val_loss']:.4f}, {rows[-1]['bits_per_byte']:.4f} "
+            f"bits/byte, unigram entropy {stats.unigram_entropy:.4f} ({how})",
+            file=sys.stderr,
+        )
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def _eval_dtype(manifest, device: torch.device) -> torch.dtype:

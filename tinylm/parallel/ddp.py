@@ -6,48 +6,34 @@
     ddp.finish_gradient_sync()      # now every p.grad is the average over ranks
     optimizer.step()
 
-When it wraps, DDP copies rank 0's parameters and buffers to every rank. It then groups the
-trainable parameters into buckets of about `bucket_size_mb` megabytes (2**20 bytes), in reverse
-registration order, since backward produces the gradients of the last layers first. Each bucket
-is one flat buffer, and each parameter's `.grad` is a view into it (as torch's
-`gradient_as_bucket_view`), so gradient memory is held once and never copied: `zero_grad()` zeroes
-the buffers in place and autograd accumulates every later gradient straight into its view. (A
-`.grad` that autograd made fresh, after someone set it to None, is copied into the bucket once and
-replaced by the view.) A hook on each parameter runs as soon as autograd has accumulated its
-gradient; once every gradient of a bucket is in, the bucket's communication starts asynchronously,
-so it overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting and
-waits for all of them: the gradients are averaged by the collective itself on NCCL (ReduceOp.AVG),
-summed and divided in place by the world size on gloo (which has no AVG).
+On wrapping, DDP copies rank 0's parameters and buffers to every rank and groups the trainable
+parameters into buckets of about `bucket_size_mb` MiB, in reverse registration order (backward
+produces the last layers' gradients first). Each bucket is one flat buffer and each `.grad` a
+view into it (torch's `gradient_as_bucket_view`): gradients are held once and never copied, and
+`zero_grad()` zeroes the buffers in place. A hook on each parameter runs once autograd has
+accumulated its gradient; when a bucket is complete its collective starts asynchronously and
+overlaps the rest of backward. `finish_gradient_sync()` starts the buckets still waiting and
+waits for all: NCCL averages in the collective (ReduceOp.AVG), gloo sums and divides. Buckets
+start in the same order on every rank, so the collectives match even when gradients are ready in
+different orders.
 
-Two ways to communicate a bucket:
-- all-reduce (the default): afterwards every rank holds every averaged gradient;
-- reduce-scatter into a sharded optimizer's slots (`shards=optimizer.buckets`, ZeRO-1): the
-  buckets are the optimizer's (tinylm/parallel/shard_layout.py), each cut into world_size equal
-  slots, and each is reduce-scattered so that rank r holds the averaged gradients of slot r. The
-  rest of a `.grad` holds an unspecified partial sum and must not be read. Each rank then sends
-  (w - 1) / w of the gradient bytes, half of an all-reduce; the optimizer's all-gather of the
-  parameters is the other half. Each part of the module (each child, each block of a ModuleList)
-  waits for the all-gathers of its own parameters before its forward, so the gathers of later
-  blocks overlap the forward of earlier ones.
+A bucket is all-reduced, or with a sharded optimizer's buckets (`shards=`, ZeRO-1) reduce-scattered
+into its slots: rank r then holds the averaged gradients of slot r only (the rest of a `.grad` is
+a partial sum that must not be read), and sends half an all-reduce's bytes; the optimizer's
+all-gather of the parameters is the other half. Each part of the module (each child, each block
+of a ModuleList) waits for the all-gathers of its own parameters before its forward, so later
+gathers overlap earlier blocks.
 
-Buckets are always started in the same order on every rank, so the sequence of collectives is
-the same everywhere even when gradients become ready in different orders on different ranks.
+A tied parameter is reduced once; frozen ones are left alone. A gradient whose hook did not run on
+this rank enters the sum as zeros; one that ran on no rank ends as `.grad = None`, as in one
+process (one small all-reduce per step counts the ranks that produced each gradient). Inside
+`with ddp.no_sync():` backward only accumulates (gradient accumulation); the next backward outside
+it reduces the sum.
 
-A parameter shared by two modules (tied weights) is one parameter and is reduced once; frozen
-parameters (requires_grad=False) are left alone. A parameter whose gradient hook did not run on
-this rank since the last sync enters the sum as zeros; one whose hook ran on no rank ends with
-`.grad = None`, as in single-process training. For that, one small all-reduce per step, started
-after the last bucket, counts the ranks that produced each gradient; it is read only when this
-rank missed one.
-
-Inside `with ddp.no_sync():` backward only accumulates local gradients (gradient accumulation
-micro-steps), already in the buckets; the next backward outside it reduces the accumulated sum.
-
-Compile the blocks of the model, not the whole model (`block.compile()` for each Transformer
-block): a compiled module's backward is one autograd node, so the hooks of its parameters fire
-only when all of its backward is done, and a model compiled whole would start its first bucket at
-the end of backward. `ddp.module` is the wrapped model: save `ddp.module.state_dict()`. Without an
-initialised process group DDP is a world of one and communicates nothing.
+Compile the blocks, not the whole model (`block.compile()`): a compiled module's backward is one
+autograd node, so a whole compiled model would start its first bucket only at the end of backward.
+Save `ddp.module.state_dict()`. Without an initialised process group DDP is a world of one and
+communicates nothing.
 """
 
 from __future__ import annotations

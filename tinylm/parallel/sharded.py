@@ -1,57 +1,34 @@
 """Optimizer state sharding (ZeRO stage 1) over equal flat slices of parameter buckets.
 
     opt = ShardedOptimizer(model.parameters(), AdamW, bucket_size_mb=25.0, lr=1e-3)
-    ddp = DDP(model, shards=opt.buckets)      # gradients reduce-scattered into the slices
-    ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(model.parameters(), 1.0); opt.step(); ddp.zero_grad()
+    ddp = DDP(model, shards=opt.gradient_shards())   # gradients reduce-scattered into the slots
+    ...; ddp.finish_gradient_sync(); opt.clip_grad_norm_(model.parameters(), 1.0); opt.step()
 
-The parameters live in flat buckets (tinylm/parallel/shard_layout.py: which parameter sits where,
-and which rank holds which slice); each parameter's data is a view into its bucket. Every rank
-holds all parameters, and steps only its slot of every bucket: AdamW's elements anywhere (a
-parameter may be split between ranks), Muon's matrices whole. So every rank holds within one
-bucket alignment of 1/world_size of AdamW's state, at any world size.
+Each parameter's data is a view into a flat bucket (tinylm/parallel/shard_layout.py says which
+parameter sits where and which rank holds which slot). Every rank holds all parameters and steps
+only its slot of each bucket, with one local `optimizer_cls` per bucket: AdamW's elements split
+anywhere, Muon's matrices whole (an optimizer class says which groups need whole parameters with
+`needs_whole_parameters(group)`). `step()` steps the buckets first layers first and starts each
+bucket's all-gather of the updated parameters at once; DDP's parts wait for their own before
+their forward, `wait_for_parameters()` for anything else. Per step a rank sends what one
+all-reduce would. Without an initialised process group, or with `shard=False`, each rank is a
+world of one: it holds every slot (one bucket per kind), communicates nothing, and DDP
+all-reduces (`gradient_shards()` is None). A run's optimizer is always one of these, so the
+training loop and checkpoints have one interface at any world size, sharded or not.
 
-One step, per bucket: DDP reduce-scatters the gradients into the slots as backward fills the
-bucket (`DDP(shards=...)`); `step()` runs a local `optimizer_cls` over this rank's pieces of the
-bucket (one instance per bucket, so that each bucket's all-gather starts as soon as its slot is
-stepped, the first layers' buckets first) and starts the bucket's all-gather of the updated
-parameters asynchronously. The all-gathers are waited for where the parameters are next needed:
-each part of DDP's wrapped module (each block) waits for its own before its forward,
-`wait_for_parameters()` for anything else (saving a checkpoint). Per rank per step that sends
-what one all-reduce would (reduce-scatter plus all-gather), in 2 collectives per bucket. Without
-DDP's shards (gradients that every rank already holds averaged, each rank reading only its
-pieces), `step()` waits for its all-gathers before it returns.
+The optimizer class states its state's contract (`state_contract`; torch's own are in
+TORCH_STATE): `elementwise_state`, the entries shaped like the parameter (split with it: AdamW's
+moments), and `per_parameter_state`, those held once per parameter (AdamW's `step`, kept by the
+holder of the parameter's first element). State dicts, pieces and checkpoints follow it.
 
-The optimizer class states its state's contract: `elementwise_state`, the names of the entries
-shaped like the parameter (split with it: AdamW's moments), and `per_parameter_state`, those held
-once per parameter (AdamW's `step`, kept by the rank holding the parameter's first element).
-`state_contract` reads it (torch's own optimizers are described in TORCH_STATE); state dicts,
-pieces and checkpoints follow it, never a guess from sizes or names.
-
-`param_groups` are the full groups, as with any optimizer: a schedule that writes `group["lr"]`
-into every group reaches the local optimizers, because every group's hyperparameters are copied
-into theirs before each step. An optimizer class says which groups need whole parameters with
-`needs_whole_parameters(group) -> bool` (Muon's `use_muon` groups); without it every update is
-taken to be elementwise. `add_param_group` lays every parameter out again (its state kept): call
-it before DDP wraps the model.
-
-State dicts use torch's format, keyed by the global parameter index (counted through
-`param_groups` in order), the tensors of their parameter's full shape, so they load into a plain
-AdamW and come from one:
-
-- `sharded_state_dict()` (a collective on metadata only): every state tensor as a tensor on the
-  "meta" device of its full shape; `state_pieces()` gives the parts this rank holds (each element
-  of the state in exactly one rank's pieces). Checkpoints are written from the two
-  (tinylm/pretrain/state.py), so the whole state never exists on one rank.
-- `state_dict()` (a collective) consolidates it on every rank: meant for small models and tests.
-- `load_state_dict(d)` takes a full dict or any part of one (from any world size, or from a plain
-  optimizer), each tensor of its parameter's full shape or just the piece this rank holds
-  (`held_ranges()`), and keeps what this rank holds.
-
-Without an initialised process group, or with `shard=False`, every rank is a world of one: it
-holds every slot (one bucket per kind of parameter), communicates nothing, and steps every
-parameter; with shard=False DDP all-reduces the gradients (`gradient_shards()` is None) and rank 0
-writes the state into checkpoints. A run's optimizer is always a ShardedOptimizer, so that the
-training loop and checkpoints have one interface at any world size and with sharding on or off.
+`param_groups` are the full groups; their hyperparameters are copied into the local optimizers
+before each step, so a schedule writes `group["lr"]` as for any optimizer. State dicts use torch's
+format, keyed by global parameter index, each tensor of its parameter's full shape, so they load
+into a plain optimizer and come from one: `sharded_state_dict()` (metadata only: tensors on
+"meta") with `state_pieces()` (this rank's parts, each element in exactly one rank's) is what
+checkpoints are written from, so the whole state never exists on one rank; `state_dict()`
+consolidates it on every rank (small models, tests); `load_state_dict(d)` takes a full dict or
+any part of one, from any world size, and keeps what this rank holds.
 """
 
 from __future__ import annotations
