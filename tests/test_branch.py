@@ -230,6 +230,25 @@ def test_a_bad_lineage_in_a_sweep_is_one_line_naming_the_run_and_the_key(runs, m
     assert str(e.value).startswith(message), str(e.value)
 
 
+def test_a_branch_may_train_on_another_corpus_with_its_parents_tokenizer():
+    from tinylm.config.lineage import tokenizer_run
+
+    raw = sweep(
+        {
+            "docs": {"train.init_from": "default", "corpus.source": "python_docs", "train.max_iters": 1600},
+            "more": {"train.init_from": "docs", "train.max_iters": 1800},
+            "alone": {"corpus.source": "python_docs"},
+        }
+    )
+    configs = run_configs(raw)
+    assert [tokenizer_run(name, configs) for name in ("default", "docs", "more", "alone")] == [
+        "default",
+        "default",
+        "default",
+        "alone",
+    ]
+
+
 def test_a_cooldown_sweep_is_valid_and_each_seed_branches_from_its_own_seed():
     from tinylm.config.lineage import parent_of
 

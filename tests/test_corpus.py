@@ -567,3 +567,27 @@ def test_file_url_without_valid_url_holds_out_valid_fraction(tmp_path):
     stats = prepare(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
     assert (tmp_path / "valid.txt").read_text() == "story 8<|endoftext|>story 9"
     assert (stats["train_documents"], stats["valid_documents"]) == (8, 2)
+
+
+# ---------------------------------------------------------------- python_docs
+
+
+def test_python_docs_are_the_reference_topics_of_this_python_one_document_each(tmp_path):
+    from pydoc_data.topics import topics
+
+    cfg = from_dict({"corpus": {"source": "python_docs", "valid_fraction": 0.1}}).corpus
+    stats = prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+    train = (tmp_path / "train.txt").read_text(encoding="utf-8").split(END_OF_TEXT)
+    valid = (tmp_path / "valid.txt").read_text(encoding="utf-8").split(END_OF_TEXT)
+    expected = [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
+    assert train + valid == expected
+    assert len(valid) == round(0.1 * len(expected)) and stats["valid_documents"] == len(valid)
+
+
+def test_python_docs_without_pydoc_data_is_one_line_and_nothing_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # a Python built without its docs
+    cfg = from_dict({"corpus": {"source": "python_docs"}}).corpus
+    message = r"^corpus.source 'python_docs': this Python \(.*\) has no pydoc_data"
+    with pytest.raises(CorpusError, match=message):
+        prepare_corpus(cfg, tmp_path / "train.txt", tmp_path / "valid.txt")
+    assert list(tmp_path.iterdir()) == []

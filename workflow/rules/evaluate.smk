@@ -3,9 +3,10 @@
 # checkpoints.
 rule evaluate:
     input:
-        tokenizer=data_file("tokenizer/tokenizer.json"),
+        tokenizer=run_tokenizer,
         checkpoints="results/{run_dir}checkpoints",
         valid=data_file("tokens/valid.npy"),
+        parent_valid=parent_valid_tokens,  # a branch on other data: its parent's validation set too
     output:
         table=report("results/{run_dir}eval.csv", caption="../report/eval.rst", category="Evaluation",
                      subcategory="{run_dir}"),
@@ -15,6 +16,7 @@ rule evaluate:
                      subcategory="{run_dir}"),
     params:
         cfg=run_json("model", "train", "evaluate"),
+        parent=lambda wildcards, input: f"--parent-valid-tokens {input.parent_valid}" if input.parent_valid else "",
     conda:
         "../envs/tinylm.yaml"
     log:
@@ -29,4 +31,5 @@ rule evaluate:
     shell:
         "python -m tinylm evaluate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --checkpoint-dir {input.checkpoints} --valid-tokens {input.valid}"
-        " --output {output.table} --plot {output.plot} --notes {output.notes} --cache-dir results/eval_cache 2> {log}"
+        " --output {output.table} --plot {output.plot} --notes {output.notes} --cache-dir results/eval_cache"
+        " {params.parent} 2> {log}"

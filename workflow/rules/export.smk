@@ -2,7 +2,7 @@
 # for a named run).
 rule export:
     input:
-        tokenizer=data_file("tokenizer/tokenizer.json"),
+        tokenizer=run_tokenizer,
         checkpoints="results/{run_dir}checkpoints",
     output:
         directory("results/{run_dir}hf"),

@@ -1,6 +1,6 @@
 rule generate:
     input:
-        tokenizer=data_file("tokenizer/tokenizer.json"),
+        tokenizer=run_tokenizer,
         checkpoints="results/{run_dir}checkpoints",
         # The samples' header quotes the final exact validation loss, so `results/samples.txt`
         # (the README's target) runs every stage.

@@ -7,7 +7,7 @@
 # per run under results/tensorboard (<run name>-<run hash>), so one --logdir shows every run.
 rule pretrain:
     input:
-        tokenizer=data_file("tokenizer/tokenizer.json"),
+        tokenizer=run_tokenizer,
         train=data_file("tokens/train.npy"),
         valid=data_file("tokens/valid.npy"),
         init=init_checkpoints,  # the parent run's checkpoints, for a run with train.init_from

@@ -17,7 +17,7 @@ if LADDER_POINTS:
     rule scaling_laws:
         input:
             evals=[point["eval"] for point in LADDER_POINTS],
-            train=f"results/{data_dir(RUNS[LADDER_POINTS[0]['name']])}tokens/train.npy",
+            train=f"results/{data_dir(LADDER_POINTS[0]['name'])}tokens/train.npy",
         output:
             fits=report("results/scaling_laws/fits.csv", caption="../report/scaling_laws.rst", category="Scaling laws"),
             isoflop=report("results/scaling_laws/isoflop.csv", caption="../report/scaling_laws.rst", category="Scaling laws"),
