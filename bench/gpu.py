@@ -447,6 +447,9 @@ def summary(folders: list[Path]) -> str:
     missing = [name for folder in folders for name in _planned(folder) if name not in by_name]
     if missing:
         lines.append(f"\nNo figure (failed or cut short): {', '.join(missing)}")
+    chosen = [f"- {r['variant']}: {r['attention']}" for r in by_name.values() if r.get("attention")]
+    if chosen:  # the fused attention backend each tinylm row measured and used
+        lines += ["", *chosen]
     return "\n".join(lines)
 
 

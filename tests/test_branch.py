@@ -24,7 +24,7 @@ from helpers import (
 from tinylm.checkpoint import load_model, published_manifest
 from tinylm.config import ConfigError, load_config, run_configs
 from tinylm.model import Transformer
-from tinylm.pretrain.init import find_init, load_init_weights
+from tinylm.pretrain.init import find_init, load_init_state
 from tinylm.pretrain.steps import committed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_the_parent_checkpoint_is_read_into_the_model_exactly(tiny_data, parent,
     assert (init.step, init.weights_sha256) == (8, manifest.weights_sha256)
     torch.manual_seed(123)
     model = Transformer(**expected.config)  # random weights first
-    load_init_weights(init, model)
+    load_init_state(init, model)
     for name, tensor in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
 
@@ -91,6 +91,29 @@ def test_a_branch_trains_on_from_the_parent_step_and_records_its_lineage(parent,
         assert manifest.parent == {"step": 8, "weights_sha256": weights}
         assert manifest.parent_checkpoint == str(parent["checkpoints"] / "step_8.pt")
         assert manifest.tokens_seen == step * 8 * 16  # counted from the parent's first step
+
+
+@pytest.mark.slow
+def test_a_branch_that_carries_the_optimizer_state_goes_on_exactly_as_the_parent_would(
+    tiny_data, parent, tmp_path
+):
+    """A run of the parent's schedule stopped at step 8 (its cosine cycle still 12), then a branch
+    from there to 12 with its optimizer state: the 12-step parent's step 12, bit for bit (no dropout:
+    nothing else is random). Started with a fresh optimizer state, it is not."""
+    first = write_tiny_config(tmp_path / "first.yaml", train={"max_iters": 8, "cos_cycle_iters": 12})
+    assert pretrain(tiny_data, first, tmp_path / "first").returncode == 0
+    finals = {}
+    for carry in (True, False):
+        config = branch_config(
+            tmp_path / f"{carry}.yaml", tmp_path / "first_ckpt", max_iters=12, init_optimizer=carry
+        )
+        proc = pretrain(tiny_data, config, tmp_path / f"state_{carry}")
+        assert proc.returncode == 0, proc.stderr
+        finals[carry] = final_payload(tmp_path / f"state_{carry}")
+    reference = torch.load(parent["checkpoints"] / "step_12.pt", weights_only=True)
+    assert_same(finals[True]["model"], reference["model"], "model")
+    assert_same(finals[True]["optimizer"]["state"], reference["optimizer"]["state"], "optimizer")
+    assert not torch.equal(finals[False]["model"]["lm_head.weight"], reference["model"]["lm_head.weight"])
 
 
 @pytest.mark.slow
@@ -166,6 +189,15 @@ def test_steps_from_another_parent_checkpoint_are_set_aside_and_the_branch_start
         ),
         ({"train": {"init_from": "{missing}/ckpt"}}, "train.init_from: {missing}/ckpt does not exist"),
         ("another tokenizer", "was trained with another tokenizer (sha256"),
+        (
+            {"train": {"init_optimizer": True}},  # only the newest published step keeps its state
+            "train.init_optimizer: {parent}/step_8.pt holds the weights only, no optimizer state to carry",
+        ),
+        (
+            {"train": {"init_optimizer": True, "optimizer": "muon", "init_step": 12}},
+            "train.init_optimizer: {parent}/step_12.pt holds the state of train.optimizer 'adamw', this run "
+            "uses 'muon'",
+        ),
     ],
 )
 def test_a_bad_parent_is_one_line_before_anything_is_written(tiny_data, parent, tmp_path, change, message):
@@ -222,6 +254,22 @@ def sweep(runs: dict, **main) -> dict:
         ),
         ({"a": {"train.init_from": "default"}}, "runs.a: train.max_iters: 1400 is not past the step"),
         ({"a": {"train.init_step": 200}}, "runs.a: train.init_step: applies with train.init_from only"),
+        (
+            {"a": {"train.init_optimizer": True}},
+            "runs.a: train.init_optimizer: applies with train.init_from only",
+        ),
+        (
+            {
+                "a": {
+                    "train.init_from": "default",
+                    "train.init_optimizer": True,
+                    "train.optimizer": "muon",
+                    "train.max_iters": 2000,
+                }
+            },
+            "runs.a: train.init_optimizer: run 'default' trains with train.optimizer 'adamw', this run with "
+            "'muon'",
+        ),
     ],
 )
 def test_a_bad_lineage_in_a_sweep_is_one_line_naming_the_run_and_the_key(runs, message):

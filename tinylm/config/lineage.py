@@ -92,6 +92,8 @@ def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:
     if train.init_from is None:
         if train.init_step is not None:
             raise ConfigError("train.init_step: applies with train.init_from only; set it to null")
+        if train.init_optimizer:
+            raise ConfigError("train.init_optimizer: applies with train.init_from only; set it to false")
         return
     parent_name = parent_of(name, cfg, configs)
     if parent_name is None:  # a folder: checked when the run starts
@@ -116,6 +118,12 @@ def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:
         raise ConfigError(
             f"{differences[0]} (run {parent_name!r}): it changes a weight's shape, so the parent's weights "
             f"cannot start this run"
+        )
+    if train.init_optimizer and train.optimizer != parent.train.optimizer:
+        raise ConfigError(
+            f"train.init_optimizer: run {parent_name!r} trains with train.optimizer "
+            f"{parent.train.optimizer!r}, this run with {train.optimizer!r}: its state cannot be carried "
+            f"(set train.init_optimizer: false)"
         )
     step, published = init_step_of(cfg, parent), published_steps_of(parent)
     if step not in published:

@@ -32,9 +32,10 @@ class TrainConfig:
         help="start from another run's checkpoint: a run of this config by name (`default` or one of "
         "`runs:`), or a folder of published checkpoints (a path with a `/`); `null`: random initialisation",
         more="The run takes the weights of `init_step` and trains on from that step to `max_iters` with its "
-        "own schedule, seed and data order (the batches of those steps), the optimizer state fresh: a "
-        "cooldown branch of a constant-rate run, or more steps of a finished one. Its tokenizer and corpus "
-        "are the parent's, and its model keys may differ from the parent's only where no weight's shape "
+        "own schedule, seed and data order (the batches of those steps), the optimizer state fresh unless "
+        "`init_optimizer`: a cooldown branch of a constant-rate run, more steps of a finished one, or "
+        "continued pretraining on another corpus (encoded with the parent's tokenizer). Its tokenizer is "
+        "the parent's, and its model keys may differ from the parent's only where no weight's shape "
         "does (`context_length`, `rope_theta`, `dropout`, `logit_softcap`, `zero_init_output`). Under "
         "Snakemake the run depends on its parent's checkpoints; every manifest records the parent (its "
         "checkpoint, step and weights' sha256), and a resume from steps of another parent starts afresh",
@@ -45,6 +46,16 @@ class TrainConfig:
         lo=1,
         help="the step of `init_from` to start from; `null`: its newest (a run: its last, `max_iters`)",
         left_out_at=None,
+    )
+    init_optimizer: bool = key(
+        False,
+        help="with `init_from`: carry the parent checkpoint's optimizer state (moments, step counts)",
+        more="instead of starting it fresh; the hyperparameters stay this run's. The parent must have "
+        "trained with the same `optimizer`, and the checkpoint must hold its state (a published folder "
+        "keeps it for its newest step only), or the run is refused in one line before anything is "
+        "written. With the parent's config otherwise, the branch trains exactly as the parent would have "
+        "gone on (tested bit for bit)",
+        left_out_at=False,
     )
     world_size: int = key(
         2,

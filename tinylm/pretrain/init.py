@@ -7,7 +7,9 @@ results/runs/<name>/checkpoints). The step is `init_step`, else the folder's new
 must hold that step, have been trained with this run's tokenizer (by sha256), and have a model whose
 weights have this run's shapes (tinylm/config/lineage.py names the keys that may differ); each is
 one error naming the file and the key. What was found is the run's `parent`, recorded in every
-manifest as part of its identity: its step and its weights' sha256.
+manifest as part of its identity: its step and its weights' sha256. With `train.init_optimizer` the
+checkpoint must also hold the optimizer state of the same `train.optimizer`, which is read into the
+run's optimizer with this run's hyperparameters.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tinylm.checkpoint import CheckpointReader, file_entry, published_file, publ
 from tinylm.checkpoint.published import read_model_state
 from tinylm.config import DEFAULT_RUN, RESULTS, Config
 from tinylm.config.lineage import names_a_folder, shape_differences
+from tinylm.parallel import ShardedOptimizer
+from tinylm.pretrain.state import read_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,34 @@ def find_init(
             f"train.max_iters: {train.max_iters} is not past the step it starts from ({path}): the run would "
             f"train no step"
         )
+    if train.init_optimizer:
+        check_optimizer_state(path, manifest, train.optimizer)
     return Init(str(path), step, manifest.weights_sha256)
 
 
-def load_init_weights(init: Init, model: torch.nn.Module) -> None:
-    """Read the parent checkpoint's model tensors into `model` (each checked against its manifest)."""
+def check_optimizer_state(path: Path, manifest, optimizer: str) -> None:
+    """For train.init_optimizer: the checkpoint holds an optimizer state, of `optimizer`'s kind."""
+    if manifest.contents != "full":
+        raise ValueError(
+            f"train.init_optimizer: {path} holds the weights only, no optimizer state to carry; set "
+            f"train.init_optimizer: false"
+        )
+    trained_with = ((manifest.config or {}).get("train") or {}).get("optimizer", "adamw")
+    if trained_with != optimizer:
+        raise ValueError(
+            f"train.init_optimizer: {path} holds the state of train.optimizer {trained_with!r}, this run "
+            f"uses {optimizer!r}; set train.init_optimizer: false to start the optimizer fresh"
+        )
+
+
+def load_init_state(init: Init, model: torch.nn.Module, optimizer: ShardedOptimizer | None = None) -> None:
+    """Read the parent checkpoint's model tensors into `model` and, given `optimizer` (with
+    train.init_optimizer), its optimizer state into it with the optimizer's own hyperparameters;
+    every tensor checked against the manifest."""
     path = Path(init.checkpoint)
     manifest_path = path.with_suffix(".json")
     entry = file_entry(read_manifest(manifest_path), path.name, manifest_path)
     with CheckpointReader(path, entry) as reader:
         read_model_state(reader, reader.structure["model"], model)
+        if optimizer is not None:
+            read_optimizer_state(reader, reader.structure["optimizer"], optimizer, keep_hyperparameters=True)

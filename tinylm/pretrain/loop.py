@@ -44,7 +44,7 @@ from tinylm.nn_utils import cross_entropy
 from tinylm.parallel import DDP, RankContext
 from tinylm.parallel.launch import limit_compile_threads, ranks_on_this_machine
 from tinylm.precision import DTYPES, LossScaler, autocast, choose_attention_backend, configure_kernels
-from tinylm.pretrain.init import Init, load_init_weights
+from tinylm.pretrain.init import Init, load_init_state
 from tinylm.pretrain.log import TrainingLog, log_line, set_run_name
 from tinylm.pretrain.optimizer import build_optimizer, set_learning_rates
 from tinylm.pretrain.resume import restore_run, save_step_of_run, seed_everything
@@ -106,7 +106,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     scaler = LossScaler(enabled=dtype == torch.float16)  # float16's loss scaling; else it does nothing
     start = restore_run(ctx, spec.state_dir, model, optimizer, scaler)
     if start == 0 and spec.init is not None:  # a fresh branch: the parent's weights, at its step
-        load_init_weights(spec.init, model)
+        load_init_state(spec.init, model, optimizer if train.init_optimizer else None)
         start = spec.init.step
     log = TrainingLog(
         ctx, train, model, dtype, start, spec.state_dir, spec.tensorboard_dir, spec.seconds_before

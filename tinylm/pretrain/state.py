@@ -316,7 +316,7 @@ def restore_step(
         if not isinstance(saved, dict) or any(key not in saved for key in REQUIRED_KEYS):
             raise CheckpointError(f"checkpoint {path} lacks one of the entries {list(REQUIRED_KEYS)}")
         read_model_state(reader, saved["model"], model, heartbeat.beat)
-        _read_optimizer(reader, saved["optimizer"], optimizer, heartbeat.beat)
+        read_optimizer_state(reader, saved["optimizer"], optimizer, heartbeat.beat)
         rest = map_tensors(
             {key: value for key, value in saved.items() if key not in ("model", "optimizer")},
             lambda _, meta: reader.read(meta, "cpu", heartbeat.beat),
@@ -325,14 +325,20 @@ def restore_step(
     return rest
 
 
-def _read_optimizer(
-    reader: CheckpointReader, saved: dict[str, Any], optimizer: ShardedOptimizer, beat
+def read_optimizer_state(
+    reader: CheckpointReader,
+    saved: dict[str, Any],
+    optimizer: ShardedOptimizer,
+    beat=None,
+    keep_hyperparameters: bool = False,
 ) -> None:
     """Read the optimizer state this rank holds (all, or its pieces of a sharded one) and load it.
 
     An elementwise state tensor (the optimizer's `state_contract`) is read only in the range of
     elements this rank holds (`held_ranges`, at this world size: the file may come from another);
-    per-parameter tensors (step counts) are read whole and stay on the CPU.
+    per-parameter tensors (step counts) are read whole and stay on the CPU. The groups'
+    hyperparameters are the saved ones (a resume), or with `keep_hyperparameters` the optimizer's
+    own (a run that starts from another's checkpoint with its state, train.init_optimizer).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ranges = optimizer.held_ranges()
@@ -357,8 +363,14 @@ def _read_optimizer(
                 state[index][name] = reader.read(value, param.device, beat)
             else:
                 state[index][name] = reader.read_range(value, start, stop, param.device, beat)
+    groups = saved["param_groups"]
+    if keep_hyperparameters and len(groups) == len(optimizer.param_groups):
+        groups = [
+            {**{k: v for k, v in ours.items() if k != "params"}, "params": theirs["params"]}
+            for ours, theirs in zip(optimizer.param_groups, groups, strict=True)
+        ]
     try:
-        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     except ValueError as e:
         raise CheckpointError(
             f"{reader.path}: the optimizer state does not fit this optimizer: {e}"
