@@ -53,9 +53,8 @@ def scaled_dot_product_attention(
     return probs @ v
 
 
-# On the CPU the fused kernel's forward and backward of a short sequence take about twice the time of
-# two matmuls and a softmax (measured at 64 and 128 positions, batch x length = 2,048, one thread);
-# from about 160 positions on, the fused kernel is faster.
+# On the CPU, up to this many positions two matmuls and a softmax train faster than the fused
+# kernel, whose backward is slow on short sequences (bench/RESULTS.md, "The recipe lab").
 MATMUL_ATTENTION_MAX_LENGTH = 128
 
 

@@ -75,13 +75,9 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     """One rank's training loop; the order of one update is in the module docs."""
     set_run_name(spec.run_name)
     train, device, accum = spec.cfg.train, ctx.device, spec.cfg.train.grad_accum_steps
-    configure_kernels(device, train.deterministic)
-    seed_everything(train.seed + ctx.rank)
     dtype = DTYPES[spec.identity.dtype]  # the forward pass's autocast dtype, resolved by the launcher
-    shape = attention_shape(spec, ctx.world_size)
-    attention = choose_attention_backend(device, shape, dtype, train.deterministic)  # CUDA only
-    if attention is not None:
-        log_line(ctx.rank == 0, attention)
+    set_up_kernels(ctx, spec, dtype)
+    seed_everything(train.seed + ctx.rank)
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
         load_tokens(spec.train_tokens),
@@ -203,6 +199,17 @@ def read_values(unread: list[tuple[int, torch.Tensor, dict]]) -> list[tuple[int,
     read = [(step, pair, lrs) for (step, _, lrs), pair in zip(unread, values, strict=True)]
     unread.clear()
     return read
+
+
+def set_up_kernels(ctx: RankContext, spec: RunSpec, dtype: torch.dtype) -> None:
+    """train.deterministic's kernels, and on CUDA the fused attention backend measured fastest at
+    the run's shape (said in the log)."""
+    train = spec.cfg.train
+    configure_kernels(ctx.device, train.deterministic)
+    shape = attention_shape(spec, ctx.world_size)
+    attention = choose_attention_backend(ctx.device, shape, dtype, train.deterministic)
+    if attention is not None:
+        log_line(ctx.rank == 0, attention)
 
 
 def attention_shape(spec: RunSpec, world_size: int) -> tuple[int, int, int, int]:
