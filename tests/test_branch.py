@@ -258,6 +258,15 @@ def sweep(runs: dict, **main) -> dict:
             {"a": {"train.init_optimizer": True}},
             "runs.a: train.init_optimizer: applies with train.init_from only",
         ),
+        ({"a": {"train.mixture": {"docs": 1.0}}}, "runs.a: train.mixture: 'docs' is no run of the config"),
+        (
+            {"a": {"train.mixture": {"default": 0.0}}},
+            "runs.a: train.mixture: default: the weight 0.0 must be",
+        ),
+        (
+            {"docs": {"corpus.source": "python_docs"}, "a": {"train.mixture": {"default": 1.0, "docs": 1.0}}},
+            "runs.a: train.mixture: run 'docs' is encoded with another tokenizer than this run's",
+        ),
         (
             {
                 "a": {
@@ -326,3 +335,23 @@ def test_the_lineage_keys_enter_a_runs_identity_only_when_set():
     assert weight_config(branched)["train"]["init_from"] == "results/checkpoints"
     raw["train"].pop("init_from")
     assert run_hash(branched) != run_hash(from_dict(raw))
+
+
+def test_a_mixture_takes_one_token_file_per_run_in_its_order():
+    from tinylm.pretrain.run import mixture_files
+
+    mixture = {"default": 0.7, "docs": 0.3}
+    raw = sweep(
+        {
+            "docs": {"train.init_from": "default", "corpus.source": "python_docs", "train.max_iters": 1600},
+            "mix": {"train.init_from": "default", "train.mixture": mixture, "train.max_iters": 1600},
+        }
+    )
+    configs = run_configs(raw)
+    assert mixture_files(configs["mix"], ["a.npy", "b.npy"]) == ["a.npy", "b.npy"]
+    with pytest.raises(
+        ValueError, match=r"^--train-tokens: 1 files for train.mixture's runs \(default, docs\)"
+    ):
+        mixture_files(configs["mix"], "a.npy")
+    with pytest.raises(ValueError, match=r"^--train-tokens: 2 files for a run without train.mixture: give 1"):
+        mixture_files(configs["default"], ["a.npy", "b.npy"])

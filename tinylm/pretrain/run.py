@@ -158,7 +158,7 @@ def structural_hash(model_config: dict[str, Any]) -> str:
 def train(
     cfg: Config,
     tokenizer_path: str | os.PathLike,
-    train_tokens: str | os.PathLike,
+    train_tokens: str | os.PathLike | list[str | os.PathLike],
     valid_tokens: str | os.PathLike,
     state_dir: str | os.PathLike,
     checkpoint_dir: str | os.PathLike,
@@ -174,7 +174,8 @@ def train(
     name). A run whose state holds its last step is finished: it says so, trains nothing and
     publishes its checkpoints again. The newest intact committed step is resumed from (corrupt
     newer ones are set aside and said). A `checkpoint_dir` holding another run's checkpoints is
-    refused before anything trains. A run with `train.init_from` starts from that checkpoint (in
+    refused before anything trains. `train_tokens` is one file, or with `train.mixture` one file
+    per run of the mixture, in its order. A run with `train.init_from` starts from that checkpoint (in
     `init_dir` when given; tinylm/pretrain/init.py), checked before anything is written; steps
     committed from another parent checkpoint are set aside and the run starts afresh. Under torchrun every
     process runs this function; only global rank 0 scans the token files, locks and publishes
@@ -182,7 +183,8 @@ def train(
     """
     set_run_name(run_name)
     is_rank0 = is_global_rank0()
-    vocab_size = check_inputs(cfg, tokenizer_path, train_tokens, valid_tokens, is_rank0)
+    train_files = mixture_files(cfg, train_tokens)
+    vocab_size = check_inputs(cfg, tokenizer_path, [*train_files, valid_tokens], is_rank0)
     state_dir = Path(state_dir)
     train = cfg.train
     model_config = model_config_of(cfg, vocab_size)
@@ -219,7 +221,7 @@ def train(
                 cfg=cfg,
                 model_config=model_config,
                 identity=identity,
-                train_tokens=str(train_tokens),
+                train_tokens=[str(path) for path in train_files],
                 valid_tokens=str(valid_tokens),
                 state_dir=str(state_dir),
                 tensorboard_dir=None if tensorboard_dir is None else str(tensorboard_dir),
@@ -253,15 +255,26 @@ def set_aside_other_parent(state_dir: Path, init: Init | None, is_rank0: bool) -
     )
 
 
+def mixture_files(cfg: Config, train_tokens) -> list[str | os.PathLike]:
+    """The training token files as a list: one, or with `train.mixture` one per run of it (their
+    count checked against the mixture's, in one line)."""
+    files = list(train_tokens) if isinstance(train_tokens, (list, tuple)) else [train_tokens]
+    wanted = len(cfg.train.mixture) if cfg.train.mixture else 1
+    if len(files) != wanted:
+        mixture = cfg.train.mixture
+        named = f"train.mixture's runs ({', '.join(mixture)})" if mixture else "a run without train.mixture"
+        raise ValueError(f"--train-tokens: {len(files)} files for {named}: give {wanted}, in that order")
+    return files
+
+
 def check_inputs(
     cfg: Config,
     tokenizer_path: str | os.PathLike,
-    train_tokens: str | os.PathLike,
-    valid_tokens: str | os.PathLike,
+    token_files: list[str | os.PathLike],
     is_rank0: bool,
 ) -> int:
     """The vocabulary size of the tokenizer file (said when it is not tokenizer.vocab_size), after
-    checking that both token files hold ids below it (rank 0: one pass) and a window of
+    checking that every token file holds ids below it (rank 0: one pass) and a window of
     context_length + 1 tokens; errors name the file."""
     vocab_size = len(Tokenizer.load(tokenizer_path).vocab)
     if vocab_size != cfg.tokenizer.vocab_size:
@@ -271,7 +284,7 @@ def check_inputs(
             f"the model takes the file's {vocab_size}",
         )
     context_length = cfg.model.context_length
-    for path in (train_tokens, valid_tokens):
+    for path in token_files:
         num_tokens = len(load_tokens(path, vocab_size if is_rank0 else None))
         if num_tokens < context_length + 1:
             raise ValueError(

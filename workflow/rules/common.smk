@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tinylm.config import DEFAULT_RUN, RESULTS, data_hash, run_hash, run_state_dir
-from tinylm.config.lineage import parent_of, tokenizer_run
+from tinylm.config.lineage import mixture_runs, parent_of, tokenizer_run
 from tinylm.io import atomic_path
 from tinylm.corpus.readers import matching_files
 
@@ -103,6 +103,14 @@ def init_checkpoints(wildcards):
 def data_file(path):
     """A run's data file, e.g. data_file("tokens/train.npy"), as a rule input."""
     return lambda wildcards: f"results/{data_dir(run_of(wildcards))}{path}"
+
+
+def train_tokens(wildcards):
+    """A run's training token files: its own, or with `train.mixture` those of each run it names, in
+    its order (so that those runs' data stages run first)."""
+    run = run_of(wildcards)
+    mixed = mixture_runs(run, RUNS[run], RUNS)
+    return [f"results/{data_dir(m)}tokens/train.npy" for m in mixed] or f"results/{data_dir(run)}tokens/train.npy"
 
 
 def tokenizer_of_data(data_dir):

@@ -8,7 +8,7 @@
 rule pretrain:
     input:
         tokenizer=run_tokenizer,
-        train=data_file("tokens/train.npy"),
+        train=train_tokens,  # with train.mixture, one file per run of it
         valid=data_file("tokens/valid.npy"),
         init=init_checkpoints,  # the parent run's checkpoints, for a run with train.init_from
     output:
