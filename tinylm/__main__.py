@@ -407,10 +407,12 @@ def evaluate_arguments(p: argparse.ArgumentParser) -> None:
     checkpoint_arguments(p)
     p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
     p.add_argument(
-        "--parent-valid-tokens",
-        default=None,
-        help="a branch's parent's validation tokens, scored too (the columns parent_val_loss and "
-        "parent_bits_per_byte): what the branch forgets of the parent's data",
+        "--also-valid-tokens",
+        nargs="+",
+        default=[],
+        metavar="RUN=FILE",
+        help="other runs' validation tokens, scored too (columns val_loss_on_RUN, bits_per_byte_on_RUN): "
+        "what a branch or a mixture learns or forgets of their data",
     )
     p.add_argument("--output", default=f"{RESULTS}/eval.csv")
     p.add_argument("--plot", default=f"{RESULTS}/eval.png")
@@ -430,7 +432,7 @@ def evaluate_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
     import torch
 
-    from tinylm.eval_table import beside_parent_data, notes_path_for, write_eval
+    from tinylm.eval_table import beside_other_data, notes_path_for, write_eval
     from tinylm.evaluate import evaluate_checkpoints
     from tinylm.tokenizer import Tokenizer
 
@@ -458,9 +460,12 @@ def cmd_evaluate(cfg: Config, args: argparse.Namespace) -> None:
         )
 
     table = scores_on(args.valid_tokens)
-    if args.parent_valid_tokens:
-        print(f"[evaluate] and on the parent's validation set, {args.parent_valid_tokens}", file=sys.stderr)
-        table = beside_parent_data(table, scores_on(args.parent_valid_tokens), args.parent_valid_tokens)
+    for entry in args.also_valid_tokens:
+        name, valid = entry.split("=", 1) if "=" in entry else (None, entry)
+        if not name:
+            sys.exit(f"tinylm evaluate: --also-valid-tokens {entry}: expected RUN=FILE")
+        print(f"[evaluate] and on the validation set of {name}, {valid}", file=sys.stderr)
+        table = beside_other_data(table, name, scores_on(valid), valid)
     write_eval(table, args.output, args.plot, args.notes or notes_path_for(args.output))
 
 

@@ -5,10 +5,10 @@ here once (COLUMNS), and so is how it is written and read.
     step, tokens_seen, val_loss, val_ppl, bits_per_byte, unigram_entropy, gap_to_unigram
 
 one row per checkpoint, a plain CSV that `pd.read_csv` loads as it is; beside it eval_columns.md
-(how each column is counted, with the evaluation's counts) and the loss curve as a PNG. A run that
-started from another run's checkpoint and trains on other data has two more columns,
-PARENT_DATA_COLUMNS: the same checkpoints scored on the parent's validation set (`beside_parent_data`),
-so that what it forgets can be read beside what it learns.
+(how each column is counted, with the evaluation's counts) and the loss curve as a PNG. A run
+trained on, or from, other runs' data (a branch of another corpus, a mixture) has two more columns
+per such run, `val_loss_on_<run>` and `bits_per_byte_on_<run>`: the same checkpoints scored on that
+run's validation set (`beside_other_data`), so that what it forgets is read beside what it learns.
 """
 
 from __future__ import annotations
@@ -22,24 +22,28 @@ from tinylm.io import atomic_path, atomic_write_text
 
 COLUMNS = ["step", "tokens_seen", "val_loss", "val_ppl", "bits_per_byte", "unigram_entropy", "gap_to_unigram"]
 
-PARENT_DATA_COLUMNS = ["parent_val_loss", "parent_bits_per_byte"]
+
+def other_data_columns(name: str) -> list[str]:
+    """The columns of the validation set of run `name`: val_loss_on_<name>, bits_per_byte_on_<name>."""
+    return [f"val_loss_on_{name}", f"bits_per_byte_on_{name}"]
 
 
-def beside_parent_data(table: pd.DataFrame, on_parent: pd.DataFrame, parent_valid: str) -> pd.DataFrame:
-    """`table` (the run's checkpoints on its own validation set) with PARENT_DATA_COLUMNS from
-    `on_parent` (the same checkpoints on the parent's, `parent_valid`), step by step, and a note
-    saying what they are (with `on_parent`'s notes on its tokens)."""
-    if list(on_parent["step"]) != list(table["step"]):
+def beside_other_data(table: pd.DataFrame, name: str, on_other: pd.DataFrame, valid: str) -> pd.DataFrame:
+    """`table` (the run's checkpoints on its own validation set) with `other_data_columns(name)` from
+    `on_other` (the same checkpoints on run `name`'s validation set, `valid`), step by step, and a
+    note saying what they are."""
+    if list(on_other["step"]) != list(table["step"]):
         raise ValueError("the two evaluations scored other checkpoints")
+    loss, bits = other_data_columns(name)
     out = table.copy()
-    out["parent_val_loss"] = on_parent["val_loss"].to_numpy()
-    out["parent_bits_per_byte"] = on_parent["bits_per_byte"].to_numpy()
+    out[loss] = on_other["val_loss"].to_numpy()
+    out[bits] = on_other["bits_per_byte"].to_numpy()
     out.attrs["notes"] = [
         *table.attrs.get("notes", []),
-        f"parent_val_loss, parent_bits_per_byte: the same checkpoints on the parent run's validation "
-        f"set ({parent_valid}), counted as val_loss and bits_per_byte are; against the parent's own "
-        f"eval.csv they show what this run forgot of the parent's data. There "
-        + "; ".join(note for note in on_parent.attrs.get("notes", []) if note.startswith("scored:")),
+        f"{loss}, {bits}: the same checkpoints on the validation set of run {name!r} ({valid}), counted "
+        f"as val_loss and bits_per_byte are: beside that run's own eval.csv, what this run learnt or "
+        f"forgot of its data. There "
+        + "; ".join(note for note in on_other.attrs.get("notes", []) if note.startswith("scored:")),
     ]
     return out
 

@@ -122,14 +122,23 @@ def run_tokenizer(wildcards):
     return tokenizer_of_data(data_dir(run_of(wildcards)))
 
 
-def parent_valid_tokens(wildcards):
-    """The validation tokens of a branch's parent when the branch trains on other data (evaluated
-    beside its own, so that forgetting can be read), or no input."""
+def other_valid_tokens(wildcards):
+    """{run: its validation tokens} of the runs whose data a run trained on, or from, other than its
+    own: a branch's parent on another corpus, the runs of a mixture; evaluated beside its own."""
     run = run_of(wildcards)
     parent = parent_of(run, RUNS[run], RUNS)
-    if parent is None or data_dir(parent) == data_dir(run):
-        return []
-    return f"results/{data_dir(parent)}tokens/valid.npy"
+    seen, out = {data_dir(run)}, {}
+    for other in [*([parent] if parent else []), *mixture_runs(run, RUNS[run], RUNS)]:
+        if data_dir(other) not in seen:
+            seen.add(data_dir(other))
+            out[other] = f"results/{data_dir(other)}tokens/valid.npy"
+    return out
+
+
+def also_valid_arguments(wildcards):
+    """evaluate's `--also-valid-tokens RUN=FILE ...` for other_valid_tokens, or nothing."""
+    others = other_valid_tokens(wildcards)
+    return " ".join(["--also-valid-tokens", *(f"{run}={path}" for run, path in others.items())]) if others else ""
 
 
 def corpus_files(wildcards):

@@ -6,7 +6,7 @@ rule evaluate:
         tokenizer=run_tokenizer,
         checkpoints="results/{run_dir}checkpoints",
         valid=data_file("tokens/valid.npy"),
-        parent_valid=parent_valid_tokens,  # a branch on other data: its parent's validation set too
+        other_valid=lambda wildcards: list(other_valid_tokens(wildcards).values()),  # other runs' data
     output:
         table=report("results/{run_dir}eval.csv", caption="../report/eval.rst", category="Evaluation",
                      subcategory="{run_dir}"),
@@ -16,7 +16,7 @@ rule evaluate:
                      subcategory="{run_dir}"),
     params:
         cfg=run_json("model", "train", "evaluate"),
-        parent=lambda wildcards, input: f"--parent-valid-tokens {input.parent_valid}" if input.parent_valid else "",
+        also=also_valid_arguments,
     conda:
         "../envs/tinylm.yaml"
     log:
@@ -32,4 +32,4 @@ rule evaluate:
         "python -m tinylm evaluate --config-json {params.cfg:q} --tokenizer {input.tokenizer}"
         " --checkpoint-dir {input.checkpoints} --valid-tokens {input.valid}"
         " --output {output.table} --plot {output.plot} --notes {output.notes} --cache-dir results/eval_cache"
-        " {params.parent} 2> {log}"
+        " {params.also} 2> {log}"
