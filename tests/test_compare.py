@@ -51,6 +51,8 @@ def fake_run(folder, name, losses, seconds_per_step=None, vocab_size=None, **ext
             manifest = {"format": FORMAT, "files": {}, "train_seconds": step * seconds_per_step}
             if vocab_size is not None:
                 manifest["model_config"] = {"vocab_size": vocab_size}
+            if "parent_checkpoint" in extra:
+                manifest["parent_checkpoint"] = extra["parent_checkpoint"]
             (run_dir / "checkpoints" / f"step_{step}.json").write_text(json.dumps(manifest))
             (run_dir / "checkpoints" / f"step_{step}.pt").touch()  # compare reads the manifests only
     return {
@@ -81,6 +83,16 @@ def test_every_checkpoint_of_every_run_in_run_order(tmp_path):
     write_compare(table, tmp_path / "out" / "compare.csv", tmp_path / "out" / "compare.png")
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "out" / "compare.csv"), table, check_dtype=False)
     assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_branch_says_which_checkpoint_it_started_from(tmp_path):
+    parent = "results/runs/const/checkpoints/step_20.pt"
+    runs = [
+        fake_run(tmp_path, "const", [(10, 4.0), (20, 3.5)], 0.5),
+        fake_run(tmp_path, "cool", [(30, 3.4)], 0.5, parent_checkpoint=parent),
+    ]
+    table = compare_runs(runs)
+    assert list(table["started_from"]) == ["-", "-", parent]
 
 
 def test_the_table_shows_only_the_keys_that_differ(tmp_path):

@@ -63,6 +63,7 @@ COLUMNS = [
     "bits_per_byte",
     "config",
     "seed",
+    "started_from",
 ]
 SEED_COLUMNS = [
     "config",
@@ -156,6 +157,7 @@ def compare_runs(runs: list[dict[str, Any]]) -> pd.DataFrame:
                     "bits_per_byte": float(record["bits_per_byte"]),
                     "config": config,
                     "seed": run.get("seed"),
+                    "started_from": manifest.parent_checkpoint or "-",  # train.init_from's checkpoint
                 }
             )
     table = pd.DataFrame(rows, columns=COLUMNS)
