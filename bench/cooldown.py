@@ -22,7 +22,17 @@ import pandas as pd
 
 
 def cooldown_table(compare: pd.DataFrame) -> pd.DataFrame:
-    """One row per length: the branch `cool<K>` (its last step) beside the cosine run of that length."""
+    """One row per length and seed: the branch `cool<K>` (its last step) beside the cosine run of
+    that length at the same seed. Runs are matched by their configuration (`config`: the run's name
+    without a `.s<seed>` suffix), seed by seed."""
+    tables = []
+    for seed, runs in compare.groupby(compare["seed"].fillna(-1), sort=True):
+        table = _one_seed(runs.assign(run=runs["config"]))
+        tables.append(table.assign(seed=int(seed)) if seed >= 0 else table)
+    return pd.concat(tables, ignore_index=True)
+
+
+def _one_seed(compare: pd.DataFrame) -> pd.DataFrame:
     final = compare.sort_values("step").groupby("run").tail(1).set_index("run")
     const = compare[compare["run"] == "const"].set_index("step")
     rows = []
@@ -89,6 +99,9 @@ def main() -> None:
     args = parser.parse_args()
     compare = pd.read_csv(args.compare)
     table = cooldown_table(compare)
+    first_seed = compare["seed"].dropna().min() if compare["seed"].notna().any() else None
+    if first_seed is not None:  # the figure shows the first seed's curves
+        compare = compare[compare["seed"] == first_seed].assign(run=lambda c: c["config"])
     print("| " + " | ".join(table.columns) + " |")
     print("|" + "---:|" * len(table.columns))
     for row in table.itertuples(index=False):
