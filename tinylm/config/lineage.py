@@ -88,12 +88,20 @@ def check_lineage(configs: dict[str, Config]) -> None:
             raise ConfigError(f"{where}{e}") from None
 
 
+def mixture_order(mixture: dict[str, float] | None) -> list[tuple[str, float]]:
+    """`train.mixture`'s (run, weight) pairs in their one order, by run name: the order of the
+    token files a run is given and of the weights its batches are drawn by (a config's mappings
+    reach the stages sorted, so the order written in the file cannot be it)."""
+    return sorted((mixture or {}).items())
+
+
 def mixture_runs(name: str, cfg: Config, configs: dict[str, Config]) -> dict[str, float]:
-    """{run: weight} of `train.mixture` among `configs` (under `seeds:`, each named run's run of
-    `name`'s seed where there is one); {} without a mixture. A name that is no run is a ConfigError."""
+    """{run: weight} of `train.mixture` among `configs` in `mixture_order` (under `seeds:`, each
+    named run's run of `name`'s seed where there is one); {} without a mixture. A name that is no
+    run is a ConfigError."""
     seeded = name.rsplit(".", 1)[1] if "." in name and name != DEFAULT_RUN else None
     out = {}
-    for run, weight in (cfg.train.mixture or {}).items():
+    for run, weight in mixture_order(cfg.train.mixture):
         candidates = [c for c in ([f"{run}.{seeded}"] if seeded else []) + [run] if c in configs]
         if not candidates:
             raise ConfigError(f"train.mixture: {run!r} is no run of the config (runs: {', '.join(configs)})")

@@ -53,6 +53,7 @@ class TrainConfig:
         more="Each sequence of a batch comes from one run's token files, drawn by the weights (normalised) "
         "from the data order's generator, so the batches are the same at any world size and on resume. "
         "The runs named must encode with this run's tokenizer (the same first ancestor, see `init_from`); "
+        "by hand, `pretrain --train-tokens` takes their token files in the order of their names; "
         "this run's own corpus, which it may name too, gives its validation set. `null`: its own corpus only",
         left_out_at=None,
     )

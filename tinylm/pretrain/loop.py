@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tinylm.checkpoint import Manifest
 from tinylm.config import Config
+from tinylm.config.lineage import mixture_order
 from tinylm.data import TrainBatches, batch_generator, get_batch, load_tokens, micro_batch_size
 from tinylm.model import Transformer
 from tinylm.nn_utils import cross_entropy
@@ -62,7 +63,7 @@ class RunSpec:
     cfg: Config
     model_config: dict[str, Any]  # Transformer(**model_config)
     identity: Manifest  # what a resume must match and how the run executes: every manifest's start
-    train_tokens: list[str]  # one file, or train.mixture's files in its order
+    train_tokens: list[str]  # one file, or train.mixture's files by run name (mixture_order)
     valid_tokens: str
     state_dir: str
     tensorboard_dir: str | None
@@ -81,7 +82,7 @@ def train_rank(ctx: RankContext, spec: RunSpec) -> None:
     context_length = spec.model_config["context_length"]
     batches = TrainBatches(
         [load_tokens(path) for path in spec.train_tokens],
-        list(train.mixture.values()) if train.mixture else [1.0],
+        [weight for _, weight in mixture_order(train.mixture)] or [1.0],
         train.data_order_seed,
         train.batch_size,
         context_length,

@@ -18,6 +18,7 @@ import torch
 
 from tinylm.checkpoint import Manifest
 from tinylm.config import Config, config_hash, run_hash, weight_config
+from tinylm.config.lineage import mixture_order
 from tinylm.data import load_tokens, micro_batch_size
 from tinylm.flops import flops_per_token
 from tinylm.io import sha256_file
@@ -175,11 +176,11 @@ def train(
     publishes its checkpoints again. The newest intact committed step is resumed from (corrupt
     newer ones are set aside and said). A `checkpoint_dir` holding another run's checkpoints is
     refused before anything trains. `train_tokens` is one file, or with `train.mixture` one file
-    per run of the mixture, in its order. A run with `train.init_from` starts from that checkpoint (in
-    `init_dir` when given; tinylm/pretrain/init.py), checked before anything is written; steps
-    committed from another parent checkpoint are set aside and the run starts afresh. Under torchrun every
-    process runs this function; only global rank 0 scans the token files, locks and publishes
-    (the others return []).
+    per run of the mixture, in the order of their names. A run with `train.init_from` starts from
+    that checkpoint (in `init_dir` when given; tinylm/pretrain/init.py), checked before anything is
+    written; steps committed from another parent checkpoint are set aside and the run starts afresh.
+    Under torchrun every process runs this function; only global rank 0 scans the token files,
+    locks and publishes (the others return []).
     """
     set_run_name(run_name)
     is_rank0 = is_global_rank0()
@@ -256,13 +257,13 @@ def set_aside_other_parent(state_dir: Path, init: Init | None, is_rank0: bool) -
 
 
 def mixture_files(cfg: Config, train_tokens) -> list[str | os.PathLike]:
-    """The training token files as a list: one, or with `train.mixture` one per run of it (their
-    count checked against the mixture's, in one line)."""
+    """The training token files as a list: one, or with `train.mixture` one per run of it in
+    `mixture_order` (by run name; their count checked against the mixture's, in one line)."""
     files = list(train_tokens) if isinstance(train_tokens, (list, tuple)) else [train_tokens]
-    wanted = len(cfg.train.mixture) if cfg.train.mixture else 1
+    runs = [run for run, _ in mixture_order(cfg.train.mixture)]
+    wanted = len(runs) or 1
     if len(files) != wanted:
-        mixture = cfg.train.mixture
-        named = f"train.mixture's runs ({', '.join(mixture)})" if mixture else "a run without train.mixture"
+        named = f"train.mixture's runs ({', '.join(runs)})" if runs else "a run without train.mixture"
         raise ValueError(f"--train-tokens: {len(files)} files for {named}: give {wanted}, in that order")
     return files
 
