@@ -14,14 +14,15 @@ and optimizer work are not model FLOPs.
 
 from __future__ import annotations
 
+from tinylm.model_options import padded_vocab_size
+
 
 def matmul_weights(model_config: dict) -> int:
     """Weights of the matmuls (N in C = 6 N D): each block's attention projections (4 d^2) and SwiGLU
     MLP (3 d d_ff), and the output head (d vocab, its padding rows included: they are multiplied).
     `model_config` needs d_model, num_layers, d_ff and vocab_size (pad_vocab_to_multiple: 1 if absent)."""
     d, L = model_config["d_model"], model_config["num_layers"]
-    multiple = model_config.get("pad_vocab_to_multiple", 1)
-    head_rows = -(-model_config["vocab_size"] // multiple) * multiple
+    head_rows = padded_vocab_size(model_config["vocab_size"], model_config.get("pad_vocab_to_multiple", 1))
     return L * (4 * d * d + 3 * d * model_config["d_ff"]) + d * head_rows
 
 

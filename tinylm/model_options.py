@@ -94,9 +94,8 @@ class ModelOptions:
     )
 
     def padded_vocab_size(self, vocab_size: int) -> int:
-        """The rows of the embedding table and the output head: vocab_size rounded up to a multiple
-        of pad_vocab_to_multiple."""
-        return -(-vocab_size // self.pad_vocab_to_multiple) * self.pad_vocab_to_multiple
+        """The rows of the embedding table and the output head (see `padded_vocab_size`)."""
+        return padded_vocab_size(vocab_size, self.pad_vocab_to_multiple)
 
     def check(self, num_layers: int, prefix: str = "") -> None:
         """Refuse values the model cannot be built with: each key against its declaration, and the
@@ -123,6 +122,11 @@ class ModelOptions:
         """Whether block `layer` of `num_layers` gets a value-embedding table: every other block,
         the last one included (as nanochat chooses)."""
         return self.value_embeddings and layer % 2 == (num_layers - 1) % 2
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """vocab_size rounded up to a multiple of `multiple` (model.pad_vocab_to_multiple)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 NO_OPTIONS = ModelOptions()  # every option off: the plain model

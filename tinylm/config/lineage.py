@@ -109,10 +109,14 @@ def mixture_runs(name: str, cfg: Config, configs: dict[str, Config]) -> dict[str
     return out
 
 
+def tokenizer_section(cfg: Config) -> dict[str, Any]:
+    """The tokenizer keys that decide its file: all but `num_workers`, which changes no output."""
+    return {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
+
+
 def _tokenizer_data(cfg: Config) -> tuple[dict, dict]:
     """What decides a tokenizer file: the corpus it is trained on and the tokenizer section."""
-    tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
-    return dataclasses.asdict(cfg.corpus), tokenizer
+    return dataclasses.asdict(cfg.corpus), tokenizer_section(cfg)
 
 
 def _check_mixture(name: str, cfg: Config, configs: dict[str, Config]) -> None:
@@ -150,9 +154,9 @@ def _check_branch(name: str, cfg: Config, configs: dict[str, Config]) -> None:
             raise ConfigError(f"train.init_from: the runs start from each other: {' -> '.join(chain)}")
         current = parent_of(current, configs[current], configs)
     parent = configs[parent_name]
-    mine, theirs = dataclasses.asdict(cfg.tokenizer), dataclasses.asdict(parent.tokenizer)
+    mine, theirs = tokenizer_section(cfg), tokenizer_section(parent)
     for key in mine:
-        if key != "num_workers" and mine[key] != theirs[key]:
+        if mine[key] != theirs[key]:
             raise ConfigError(
                 f"tokenizer.{key}: {mine[key]!r} here, {theirs[key]!r} in the parent run {parent_name!r}: "
                 f"a run that starts from another keeps its tokenizer (its corpus may differ)"

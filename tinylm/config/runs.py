@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from tinylm.config.constants import DEFAULT_RUN
 from tinylm.config.ladder import LADDER_KEY, LadderPlan, ladder_plan
-from tinylm.config.lineage import check_lineage
+from tinylm.config.lineage import check_lineage, tokenizer_section
 from tinylm.config.loading import from_dict, read_config_file
 from tinylm.config.sections import Config, ModelConfig
 from tinylm.config.train import TrainConfig
@@ -322,7 +322,7 @@ def data_hash(cfg: Config, tokenizer_from: str | None = None) -> str:
     is another corpus's, the hash says so, and this data never shares a folder with a corpus that
     trains its own tokenizer.
     """
-    tokenizer = {k: v for k, v in dataclasses.asdict(cfg.tokenizer).items() if k != "num_workers"}
+    tokenizer = tokenizer_section(cfg)
     own = config_hash(cfg.corpus, tokenizer)
     return own if tokenizer_from in (None, own) else config_hash(cfg.corpus, tokenizer, tokenizer_from)
 
